@@ -1,0 +1,49 @@
+# vlmrl: `make train` (installs what is missing, then runs the embedded default) and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.vlmrl-installed
+# CPU machines take the local CPU build of torch; machines with a GPU keep whatever torch
+# they have (or set TORCH_SPEC, e.g. TORCH_SPEC='torch==2.11.0').
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6" || echo "torch==2.13.0")
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: help setup train test test-all lint bench plan clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# torch first, so the project's range is already satisfied and pip never pulls a CUDA build
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv and install vlmrl with its dev tools (seconds when already done)
+
+train: setup ## run the embedded default end to end (tiny model, procedural task, CPU); ARGS='key=value ...'
+	$(PY) -m vlmrl.train $(ARGS)
+
+test: setup ## the CPU test suite (GPU tests skip without CUDA, slow ones are left out)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup ## every test, slow ones included
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup ## ruff
+	$(VENV)/bin/ruff check vlmrl tests
+
+bench: setup ## benchmarks; results land in bench/results/ with the command that produced them
+	$(PY) -m vlmrl.bench $(ARGS)
+
+plan: setup ## print the rank layout and memory estimate: make plan ARGS='experiment=geo3k_qwen35'
+	$(PY) -m vlmrl.plan $(ARGS)
+
+clean: ## remove the virtualenv and caches (runs/ is kept)
+	rm -rf $(VENV) .pytest_cache .ruff_cache
