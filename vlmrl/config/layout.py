@@ -1,0 +1,134 @@
+"""Where every process goes: trainer ranks, their parallel coordinates, rollout engines.
+
+Pure functions of the config (standard library only): validation, the plan command and
+the Ray placement all read the same numbers from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schema import VlmrlConfig
+
+# Megatron's default rank order: tp varies fastest, then cp, ep/dp, pp.
+RANK_ORDER = "tp-cp-ep-dp-pp"
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    rank: int
+    node: int
+    local_device: int  # GPU index on its node (or CPU process index)
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    etp: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    index: int
+    node: int
+    devices: tuple[int, ...]  # GPU indices on the node; empty on CPU
+
+
+@dataclass(frozen=True)
+class Layout:
+    on_gpu: bool
+    trainer_world_size: int
+    dp: int
+    expert_dp: int
+    rollout_devices: int
+    num_engines: int
+    trainer_devices: tuple[int, ...]  # global GPU indices of trainer ranks
+    rollout_device_offset: int  # first global GPU index of the engines
+    devices_per_node: int
+
+    def coords(self, cfg: VlmrlConfig) -> list[RankCoord]:
+        return rank_coords(cfg, self)
+
+    def engines(self, cfg: VlmrlConfig) -> list[EngineSlot]:
+        return engine_slots(cfg, self)
+
+
+def is_gdn_model(cfg: VlmrlConfig) -> bool:
+    return "linear_attention" in cfg.model.lm.layer_types
+
+
+def is_moe_model(cfg: VlmrlConfig) -> bool:
+    return cfg.model.lm.num_experts > 0
+
+
+def compute_layout(cfg: VlmrlConfig) -> Layout:
+    """Sizes only; validity is checked by `validate` (which calls this with guards)."""
+    c, p, r = cfg.cluster, cfg.parallel, cfg.rollout
+    on_gpu = cfg.hardware.device == "cuda"
+    if not on_gpu:
+        world = c.num_cpu_ranks
+        rollout_devices, trainer_devices, offset = 0, tuple(range(world)), 0
+    elif c.colocate:
+        world = c.num_gpus
+        rollout_devices, trainer_devices, offset = r.num_gpus, tuple(range(world)), 0
+    else:
+        world = c.trainer_gpus if c.trainer_gpus is not None else c.num_gpus - r.num_gpus
+        rollout_devices = r.num_gpus
+        trainer_devices, offset = tuple(range(world)), world
+    model_parallel = p.tp * p.pp * p.cp
+    dp = max(world // model_parallel, 1) if model_parallel else 1
+    expert_grid = p.ep * p.etp
+    per_stage = max(world // p.pp, 1)
+    expert_dp = max(per_stage // expert_grid, 1) if expert_grid else 1
+    if on_gpu:
+        num_engines = rollout_devices // max(r.gpus_per_engine, 1)
+    else:
+        num_engines = 1
+    per_node = max(c.num_gpus // max(c.num_nodes, 1), 1) if on_gpu else max(world, 1)
+    return Layout(
+        on_gpu=on_gpu,
+        trainer_world_size=world,
+        dp=dp,
+        expert_dp=expert_dp,
+        rollout_devices=rollout_devices,
+        num_engines=num_engines,
+        trainer_devices=trainer_devices,
+        rollout_device_offset=offset,
+        devices_per_node=per_node,
+    )
+
+
+def rank_coords(cfg: VlmrlConfig, layout: Layout) -> list[RankCoord]:
+    """Parallel coordinates of each trainer rank, in Megatron's rank order.
+
+    Dense parameters: rank = tp + TP * (cp + CP * (dp + DP * pp)).
+    Expert parameters regroup the ranks of one pipeline stage as etp x ep x edp.
+    """
+    p = cfg.parallel
+    out = []
+    for rank in range(layout.trainer_world_size):
+        tp = rank % p.tp
+        cp = (rank // p.tp) % p.cp
+        dp = (rank // (p.tp * p.cp)) % layout.dp
+        pp = rank // (p.tp * p.cp * layout.dp)
+        in_stage = rank % (layout.trainer_world_size // p.pp)
+        etp = in_stage % p.etp
+        ep = (in_stage // p.etp) % p.ep
+        edp = in_stage // (p.etp * p.ep)
+        device = layout.trainer_devices[rank]
+        node, local = divmod(device, layout.devices_per_node)
+        out.append(RankCoord(rank, node, local, tp, cp, dp, pp, ep, etp, edp))
+    return out
+
+
+def engine_slots(cfg: VlmrlConfig, layout: Layout) -> list[EngineSlot]:
+    if not layout.on_gpu:
+        return [EngineSlot(0, 0, ())]
+    g = cfg.rollout.gpus_per_engine
+    slots = []
+    for i in range(layout.num_engines):
+        first = layout.rollout_device_offset + i * g
+        node, local = divmod(first, layout.devices_per_node)
+        slots.append(EngineSlot(i, node, tuple(range(local, local + g))))
+    return slots

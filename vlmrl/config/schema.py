@@ -1,0 +1,386 @@
+"""The typed configuration schema.
+
+Every key a user can override is declared here. `register_configs()` puts the schema into
+Hydra's ConfigStore (as the base of the root config and of every option in every group),
+so struct mode rejects a misspelt key with the list of valid ones. `train.py` turns the
+composed DictConfig into these dataclasses once (`to_dataclass`); components receive
+their own section as a frozen dataclass and never see the root config.
+
+This module imports only the standard library: it is on the dry-run path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
+from typing import Any
+
+MISSING = "???"
+
+
+class Sealable:
+    """Base of every config dataclass: mutable while Hydra composes, frozen once sealed.
+
+    OmegaConf marks frozen dataclasses read-only, which Hydra cannot merge overrides into,
+    so the schema classes stay plain dataclasses and `seal` freezes the converted objects.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed_", False):
+            raise FrozenInstanceError(f"cannot assign to field '{name}': configs are frozen after conversion")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_sealed_", False):
+            raise FrozenInstanceError(f"cannot delete field '{name}': configs are frozen after conversion")
+        object.__delattr__(self, name)
+
+
+def seal(obj: Any) -> Any:
+    """Freeze a config dataclass and every dataclass inside it, in place; returns obj."""
+    if is_dataclass(obj) and isinstance(obj, Sealable):
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, list):
+                object.__setattr__(obj, f.name, tuple(value))
+            seal(value)
+        obj.__dict__["_sealed_"] = True
+    return obj
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class VisionConfig(Sealable):
+    """The HF vision tower. It keeps its HuggingFace parameter names end to end."""
+
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    out_hidden_size: int = 2048
+    window_size: int = 112
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    num_position_embeddings: int | None = None  # Qwen3.5: learned position embeddings
+    deepstack_visual_indexes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LanguageModelConfig(Sealable):
+    """Architecture of the language model (converted to a Megatron model by the bridge)."""
+
+    num_layers: int = 36
+    hidden_size: int = 2048
+    ffn_hidden_size: int = 11008
+    num_attention_heads: int = 16
+    num_query_groups: int = 2
+    head_dim: int = 128
+    vocab_size: int = 151936
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1_000_000.0
+    partial_rotary_factor: float = 1.0
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    mrope_interleaved: bool = False
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    add_qkv_bias: bool = True
+    qk_layernorm: bool = False
+    attention_output_gate: bool = False
+    # Hybrid models: one entry per layer, "full_attention" or "linear_attention" (Gated
+    # DeltaNet). Empty means every layer is full attention.
+    layer_types: list[str] = field(default_factory=list)
+    # Gated DeltaNet ("linear_attention") layers
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # Mixture of experts (num_experts == 0: dense MLP)
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+
+
+@dataclass
+class ModelConfig(Sealable):
+    name: str = MISSING
+    # "qwen2_5_vl" (dense LM, windowed ViT) or "qwen3_5_moe" (hybrid GDN + gated attention + MoE)
+    family: str = "qwen2_5_vl"
+    # A HuggingFace hub id or a local directory loaded with from_pretrained. For the tiny
+    # model, an empty path means "build it in code under cache_dir on first use".
+    path: str = ""
+    cache_dir: str = "${oc.env:VLMRL_CACHE,${oc.env:HOME}/.cache/vlmrl}"
+    dtype: str = "float32"  # float32 | bfloat16: parameter dtype of trainer and engines
+    lm: LanguageModelConfig = field(default_factory=LanguageModelConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    # Special token ids (from the checkpoint's config; used by validation and the bridge).
+    image_token_id: int = 151655
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+
+# --------------------------------------------------------------------------- parallel
+@dataclass
+class ParallelConfig(Sealable):
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    cp: int = 1  # context parallel (zigzag over packed sequences)
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    # Dynamic batching packs samples into micro-batches of at most max_tokens_per_gpu tokens.
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int = 8192
+    recompute_granularity: str | None = None  # null | selective | full
+    recompute_method: str = "uniform"  # uniform | block (full recompute only)
+    recompute_num_layers: int = 1
+
+
+# --------------------------------------------------------------------------- reward
+@dataclass
+class RewardConfig(Sealable):
+    """A verifier: `_target_` is instantiated with the remaining keys (name excepted)."""
+
+    name: str = MISSING
+    _target_: str = MISSING
+    tolerance: float = 0.0
+    relative: bool = False
+    timeout_s: float = 1.0
+    num_workers: int = 2  # worker processes scoring off the critical path; 0 = inline
+
+
+# --------------------------------------------------------------------------- hardware
+@dataclass
+class HardwareConfig(Sealable):
+    name: str = MISSING
+    device: str = "cpu"  # cpu | cuda
+    gpu_memory_gb: float = 0.0
+    peak_bf16_tflops: float = 0.0  # dense, for MFU and the plan
+    dist_backend: str = "gloo"  # gloo | nccl
+    # FlashAttention 3 exists for Hopper only (not Blackwell, not CPU).
+    fa3_supported: bool = False
+    # SGLang's --mm-attention-backend for the vision tower inside the engine.
+    sglang_mm_attention_backend: str | None = None
+    # attn_implementation of the HF vision tower in the trainer.
+    vision_attn_implementation: str = "sdpa"
+    # attention of the Megatron language model: "sdpa" (torch SDPA / flash kernels) or "local"
+    lm_attention_backend: str = "sdpa"
+    train_dtype: str = "float32"  # float32 | bfloat16 (mixed precision on GPUs)
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class SyntheticDataConfig(Sealable):
+    num_train: int = 2048
+    num_test: int = 256
+    seed: int = 1234
+    image_size: int = 112
+
+
+@dataclass
+class DataConfig(Sealable):
+    name: str = MISSING
+    # "synthetic": the procedural task built in code; "hf": a hub name, a local parquet /
+    # arrow / jsonl path, or a dataset already in the HF cache.
+    source: str = "hf"
+    path: str = ""
+    train_split: str = "train"
+    test_split: str = "test"
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    # Appended to the user message, e.g. to ask for the final answer in \boxed{}.
+    instruction: str = ""
+    # Image pixel bounds: identical in rollout and training (same image token counts).
+    min_pixels: int = 3136
+    max_pixels: int = 1_003_520
+    max_prompt_length: int = 2048
+    max_image_megapixels: float = 50.0  # larger images are skipped as bad rows
+    image_cache_dir: str = "${model.cache_dir}/images"
+    image_fetch_timeout_s: float = 10.0
+    shuffle: bool = True
+    seed: int = 42
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+# --------------------------------------------------------------------------- algo
+@dataclass
+class AlgoConfig(Sealable):
+    name: str = MISSING  # grpo | sft
+    advantage_estimator: str = "grpo"  # grpo | dr_grpo
+    n_samples_per_prompt: int = 8
+    reward_dtype: str = "float64"
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    policy_loss: str = "ppo"  # ppo | gspo
+    # token_mean (GRPO/DAPO) | seq_mean_token_sum | seq_mean_token_mean | token_sum_norm (Dr.GRPO)
+    loss_agg_mode: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    entropy_coef: float = 0.0
+    # Truncated importance sampling against the rollout engine's logprobs.
+    tis: bool = False
+    tis_cap: float = 2.0
+    # SFT warm-up steps run before RL (algo=grpo) or the SFT step count (algo=sft).
+    sft_steps: int = 0
+    sft_batch_size: int = 32
+
+
+# --------------------------------------------------------------------------- trainer
+@dataclass
+class OptimConfig(Sealable):
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_warmup_steps: int = 0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainerConfig(Sealable):
+    global_batch_size: int = 16  # samples per optimizer step
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    use_distributed_optimizer: bool = True
+    # Passed verbatim to Megatron's TransformerConfig (not re-declared one by one).
+    megatron: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- rollout
+@dataclass
+class SpeculativeConfig(Sealable):
+    algorithm: str | None = None  # e.g. EAGLE, EAGLE3, NEXTN; null = off
+    draft_model_path: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+
+
+@dataclass
+class SGLangConfig(Sealable):
+    ep_size: int = 1
+    mem_fraction_static: float = 0.7
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] = field(default_factory=list)
+    use_router: bool = False
+    router_port: int = 30000
+    base_port: int = 15000
+    log_level: str = "warning"
+    startup_timeout_s: float = 900.0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Passed verbatim to SGLang's ServerArgs (flag names as in ServerArgs fields).
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddedEngineConfig(Sealable):
+    max_batch_size: int = 64
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: no HTTP server, Ray calls only; >0: also serve SGLang's protocol
+
+
+@dataclass
+class EvalConfig(Sealable):
+    n_samples_per_prompt: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int | None = None  # null: rollout.max_new_tokens
+    max_prompts: int | None = None  # null: the whole test split
+
+
+@dataclass
+class RolloutConfig(Sealable):
+    name: str = MISSING  # embedded | sglang
+    batch_size: int = 8  # prompts per rollout step (each sampled n_samples_per_prompt times)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    num_gpus: int = 0  # GPUs of all rollout engines together
+    gpus_per_engine: int = 1  # tensor parallel size of one engine
+    max_in_flight: int = 256  # requests in flight across engines
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    weight_update_bucket_mb: int = 512
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
+
+
+# --------------------------------------------------------------------------- cluster
+@dataclass
+class ClusterConfig(Sealable):
+    name: str = MISSING  # local | external
+    address: str | None = None  # Ray address of an external cluster
+    num_nodes: int = 1
+    num_gpus: int = 0  # GPUs in the job (trainer + rollout); 0 on CPU
+    # On CPU: number of trainer processes (gloo ranks).
+    num_cpu_ranks: int = 1
+    colocate: bool = False  # trainer and rollout engines share GPUs
+    trainer_gpus: int | None = None  # separate mode: GPUs for the trainer (rest: rollout)
+    async_rollout: bool = False  # overlap the next rollout with training (one step off-policy)
+    dashboard: bool = False
+    cpus_per_actor: float = 0.5
+
+
+# --------------------------------------------------------------------------- logger
+@dataclass
+class LoggerConfig(Sealable):
+    name: str = MISSING
+    wandb: bool = True  # offline unless WANDB_API_KEY is set
+    wandb_mode: str | None = None  # null: online with an API key, else offline
+    project: str = "vlmrl"
+    group: str | None = None  # null: the run name (sweeps give each job its own)
+    progress: bool = True
+    plots: bool = True
+    jsonl: bool = True
+
+
+# --------------------------------------------------------------------------- root
+@dataclass
+class VlmrlConfig(Sealable):
+    model: ModelConfig = MISSING  # type: ignore[assignment]
+    parallel: ParallelConfig = MISSING  # type: ignore[assignment]
+    reward: RewardConfig = MISSING  # type: ignore[assignment]
+    hardware: HardwareConfig = MISSING  # type: ignore[assignment]
+    data: DataConfig = MISSING  # type: ignore[assignment]
+    algo: AlgoConfig = MISSING  # type: ignore[assignment]
+    rollout: RolloutConfig = MISSING  # type: ignore[assignment]
+    cluster: ClusterConfig = MISSING  # type: ignore[assignment]
+    logger: LoggerConfig = MISSING  # type: ignore[assignment]
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run_name: str = "default"
+    run_dir: str = "runs/${run_name}"
+    seed: int = 1234
+    num_steps: int = 100  # rollout steps (GRPO) or optimizer steps (SFT)
+    eval_interval: int = 20  # 0: no periodic eval
+    save_interval: int = 0  # 0: save only at the end
+    resume: str = "auto"  # auto | never | a checkpoint directory
+    save_hf: bool = False  # export an HF checkpoint at the end
+    max_train_seconds: float | None = None  # stop RL after this much training wall time
+    # Validate, print the resolved config and the job's run dir, and stop (works with -m).
+    dry_run: bool = False
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "reward": RewardConfig,
+    "hardware": HardwareConfig,
+    "data": DataConfig,
+    "algo": AlgoConfig,
+    "rollout": RolloutConfig,
+    "cluster": ClusterConfig,
+    "logger": LoggerConfig,
+}

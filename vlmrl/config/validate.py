@@ -1,0 +1,254 @@
+"""Cross-field validation, run before any process or GPU is touched.
+
+Each rule has a short name; a violation names the rule and the values involved. All
+violations of a config are reported together.
+
+Gated DeltaNet models (any `linear_attention` layer) train with one sample per micro-batch
+and no dynamic batching: the recurrent kernels take one sequence at a time. vlmrl does not
+rewrite the user's choice: such a config fails with the override that fixes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import compute_layout, is_gdn_model, is_moe_model
+from .schema import VlmrlConfig
+
+# Values SGLang accepts for --mm-attention-backend (srt/server_args.py).
+SGLANG_MM_ATTENTION_BACKENDS = ("sdpa", "fa3", "triton_attn", "ascend_attn", "aiter_attn")
+VISION_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+ENUMS: dict[str, tuple[object, ...]] = {
+    "model.family": ("qwen2_5_vl", "qwen3_5_moe"),
+    "model.dtype": ("float32", "bfloat16"),
+    "hardware.device": ("cpu", "cuda"),
+    "hardware.dist_backend": ("gloo", "nccl"),
+    "hardware.train_dtype": ("float32", "bfloat16"),
+    "hardware.lm_attention_backend": ("sdpa", "local"),
+    "hardware.vision_attn_implementation": VISION_ATTN_IMPLEMENTATIONS,
+    "data.source": ("synthetic", "hf"),
+    "algo.name": ("grpo", "sft"),
+    "algo.advantage_estimator": ("grpo", "dr_grpo"),
+    "algo.reward_dtype": ("float64", "float32"),
+    "algo.policy_loss": ("ppo", "gspo"),
+    "algo.loss_agg_mode": ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "token_sum_norm"),
+    "algo.kl_type": ("k1", "k2", "k3", "low_var_kl"),
+    "trainer.optim.optimizer": ("adam",),
+    "trainer.optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "parallel.recompute_granularity": (None, "selective", "full"),
+    "parallel.recompute_method": ("uniform", "block"),
+    "rollout.name": ("embedded", "sglang"),
+    "cluster.name": ("local", "external"),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+class ConfigError(ValueError):
+    def __init__(self, violations: list[Violation]):
+        self.violations = violations
+        lines = "\n".join(f"  - {v}" for v in violations)
+        super().__init__(f"invalid configuration ({len(violations)} problem(s)):\n{lines}")
+
+    @property
+    def rules(self) -> list[str]:
+        return [v.rule for v in self.violations]
+
+
+def _get(cfg: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check(cfg: VlmrlConfig) -> list[Violation]:
+    """Every violated rule of `cfg` (empty when valid)."""
+    out: list[Violation] = []
+
+    def fail(rule: str, message: str) -> None:
+        out.append(Violation(rule, message))
+
+    for key, allowed in ENUMS.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            fail("enum", f"{key}={value!r} is not one of {list(allowed)}")
+
+    m, lm, p, hw, c, r, a = (cfg.model, cfg.model.lm, cfg.parallel, cfg.hardware, cfg.cluster,
+                             cfg.rollout, cfg.algo)
+    for key in ("tp", "pp", "cp", "ep", "etp", "micro_batch_size", "max_tokens_per_gpu"):
+        if getattr(p, key) < 1:
+            fail("positive", f"parallel.{key}={getattr(p, key)} must be >= 1")
+    if out:
+        return out  # sizes below divide by these
+
+    # --- model architecture
+    rotary_dims = int(lm.head_dim * lm.partial_rotary_factor)
+    if sum(lm.mrope_section) * 2 != rotary_dims:
+        fail("mrope-section", f"sum(model.lm.mrope_section)={sum(lm.mrope_section)} must equal "
+             f"head_dim * partial_rotary_factor / 2 = {lm.head_dim} * {lm.partial_rotary_factor} / 2")
+    if lm.layer_types:
+        if len(lm.layer_types) != lm.num_layers:
+            fail("layer-types", f"len(model.lm.layer_types)={len(lm.layer_types)} != "
+                 f"model.lm.num_layers={lm.num_layers}")
+        bad = sorted(set(lm.layer_types) - {"full_attention", "linear_attention"})
+        if bad:
+            fail("layer-types", f"model.lm.layer_types has unknown types {bad}")
+    if is_gdn_model(cfg) and min(lm.linear_num_key_heads, lm.linear_num_value_heads,
+                                 lm.linear_key_head_dim, lm.linear_value_head_dim,
+                                 lm.linear_conv_kernel_dim) <= 0:
+        fail("gdn-shape", "linear_attention layers need model.lm.linear_num_key_heads, "
+             "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim and "
+             "linear_conv_kernel_dim > 0")
+    if is_moe_model(cfg) and not 0 < lm.moe_router_topk <= lm.num_experts:
+        fail("moe-topk", f"model.lm.moe_router_topk={lm.moe_router_topk} must be in "
+             f"[1, num_experts={lm.num_experts}]")
+
+    # --- hardware and devices
+    on_gpu = hw.device == "cuda"
+    if on_gpu and c.num_gpus < 1:
+        fail("hardware-devices", f"hardware={hw.name} (cuda) needs cluster.num_gpus >= 1, got {c.num_gpus}")
+    if not on_gpu:
+        if c.num_gpus != 0:
+            fail("hardware-devices", f"hardware={hw.name} (cpu) runs without GPUs: cluster.num_gpus must "
+                 f"be 0, got {c.num_gpus}")
+        if hw.dist_backend != "gloo":
+            fail("hardware-backend", f"hardware.device=cpu needs dist_backend=gloo, got {hw.dist_backend}")
+        if r.name == "sglang":
+            fail("hardware-backend", "rollout=sglang needs GPUs: use rollout=embedded on hardware=cpu")
+        if hw.train_dtype != "float32":
+            fail("hardware-backend", f"hardware.train_dtype={hw.train_dtype} needs cuda; CPU trains in float32")
+    elif hw.dist_backend != "nccl":
+        fail("hardware-backend", f"hardware.device=cuda needs dist_backend=nccl, got {hw.dist_backend}")
+    if hw.sglang_mm_attention_backend not in (None, *SGLANG_MM_ATTENTION_BACKENDS):
+        fail("hardware-attention", f"hardware.sglang_mm_attention_backend={hw.sglang_mm_attention_backend!r} "
+             f"is not one of SGLang's {list(SGLANG_MM_ATTENTION_BACKENDS)}")
+    if not hw.fa3_supported:
+        if hw.sglang_mm_attention_backend == "fa3":
+            fail("hardware-attention", f"hardware={hw.name} has no FlashAttention 3: "
+                 "set hardware.sglang_mm_attention_backend=sdpa")
+        if hw.vision_attn_implementation == "flash_attention_3":
+            fail("hardware-attention", f"hardware={hw.name} has no FlashAttention 3: "
+                 "set hardware.vision_attn_implementation=flash_attention_2 (or sdpa)")
+    if not on_gpu and hw.vision_attn_implementation.startswith("flash_attention"):
+        fail("hardware-attention", f"hardware.vision_attn_implementation={hw.vision_attn_implementation} "
+             "needs a GPU: use sdpa on CPU")
+
+    # --- placement and colocation
+    if c.name == "external" and not c.address:
+        fail("cluster-address", "cluster=external needs cluster.address (or RAY_ADDRESS)")
+    if c.colocate and not on_gpu:
+        fail("colocate", "cluster.colocate=true shares GPUs between trainer and engines; "
+             f"hardware={hw.name} has none (set cluster.colocate=false)")
+    if c.colocate and c.async_rollout:
+        fail("colocate", "cluster.async_rollout=true overlaps rollout with training and cannot "
+             "share GPUs: set cluster.colocate=false or cluster.async_rollout=false")
+    if on_gpu:
+        if c.colocate and r.num_gpus != c.num_gpus:
+            fail("colocate", f"colocated engines span every GPU: rollout.num_gpus={r.num_gpus} != "
+                 f"cluster.num_gpus={c.num_gpus}")
+        if not c.colocate:
+            trainer = c.trainer_gpus if c.trainer_gpus is not None else c.num_gpus - r.num_gpus
+            if trainer < 1 or r.num_gpus < 1 or trainer + r.num_gpus != c.num_gpus:
+                fail("separate-gpus", f"separate GPUs need cluster.trainer_gpus ({trainer}) + "
+                     f"rollout.num_gpus ({r.num_gpus}) = cluster.num_gpus ({c.num_gpus}), both >= 1")
+        if r.gpus_per_engine < 1 or r.num_gpus % r.gpus_per_engine:
+            fail("engine-gpus", f"rollout.num_gpus={r.num_gpus} is not a multiple of "
+                 f"rollout.gpus_per_engine={r.gpus_per_engine}")
+        if c.num_nodes > 1 and c.num_gpus % c.num_nodes:
+            fail("engine-gpus", f"cluster.num_gpus={c.num_gpus} does not split over "
+                 f"cluster.num_nodes={c.num_nodes}")
+    if r.name == "embedded" and r.gpus_per_engine != 1:
+        fail("engine-gpus", f"the embedded engine runs on one device: rollout.gpus_per_engine="
+             f"{r.gpus_per_engine} must be 1")
+    if r.name == "sglang":
+        ep = r.sglang.ep_size
+        if ep < 1 or r.gpus_per_engine % ep:
+            fail("engine-gpus", f"rollout.sglang.ep_size={ep} must divide rollout.gpus_per_engine="
+                 f"{r.gpus_per_engine}")
+        if ep > 1 and not is_moe_model(cfg):
+            fail("engine-gpus", f"rollout.sglang.ep_size={ep} needs an MoE model; model={m.name} is dense")
+        if not 0 < r.sglang.mem_fraction_static < 1:
+            fail("engine-memory", f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} "
+                 "must be in (0, 1)")
+    if out:
+        return out  # the layout below assumes sane device counts
+
+    # --- parallel sizes against the world and the model
+    layout = compute_layout(cfg)
+    world = layout.trainer_world_size
+    model_parallel = p.tp * p.pp * p.cp
+    if world < 1 or world % model_parallel:
+        fail("world-size", f"trainer world size {world} is not a multiple of tp*pp*cp = "
+             f"{p.tp}*{p.pp}*{p.cp} = {model_parallel} (world = dp*tp*pp*cp)")
+    if lm.num_attention_heads % p.tp:
+        fail("tp-heads", f"parallel.tp={p.tp} does not divide model.lm.num_attention_heads="
+             f"{lm.num_attention_heads}")
+    if lm.num_query_groups % p.tp:
+        fail("tp-kv-groups", f"parallel.tp={p.tp} does not divide model.lm.num_query_groups="
+             f"{lm.num_query_groups}")
+    if is_gdn_model(cfg):
+        for key in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(lm, key) % p.tp:
+                fail("tp-gdn-heads", f"parallel.tp={p.tp} does not divide model.lm.{key}={getattr(lm, key)}")
+    if p.sequence_parallel and p.tp == 1:
+        fail("sp-needs-tp", "parallel.sequence_parallel=true needs parallel.tp > 1")
+    stages = p.pp * (p.vpp or 1)
+    if lm.num_layers % stages:
+        fail("pp-layers", f"model.lm.num_layers={lm.num_layers} is not divisible by pp*vpp={stages}")
+    if p.vpp is not None and p.pp == 1:
+        fail("pp-layers", "parallel.vpp needs parallel.pp > 1")
+    if is_moe_model(cfg):
+        if lm.num_experts % p.ep:
+            fail("ep-experts", f"parallel.ep={p.ep} does not divide model.lm.num_experts={lm.num_experts}")
+        per_stage = world // p.pp if world % p.pp == 0 else 0
+        if per_stage == 0 or per_stage % (p.ep * p.etp):
+            fail("ep-world", f"ep*etp={p.ep}*{p.etp} must divide the ranks of one pipeline stage "
+                 f"(world/pp = {world}/{p.pp})")
+    elif p.ep != 1 or p.etp != 1:
+        fail("ep-experts", f"parallel.ep={p.ep}, parallel.etp={p.etp} need an MoE model; "
+             f"model={m.name} has no experts")
+    if is_gdn_model(cfg):
+        if p.micro_batch_size != 1 or p.use_dynamic_batch_size:
+            fail("gdn-micro-batch", f"model={m.name} has Gated DeltaNet layers, which need "
+                 f"parallel.micro_batch_size=1 (got {p.micro_batch_size}) and "
+                 f"parallel.use_dynamic_batch_size=false (got {p.use_dynamic_batch_size})")
+        if p.cp > 1:
+            fail("gdn-cp", f"context parallel (parallel.cp={p.cp}) is not supported for Gated DeltaNet "
+                 "layers yet")
+
+    # --- batch arithmetic
+    gbs = cfg.trainer.global_batch_size
+    if a.name == "grpo":
+        if a.n_samples_per_prompt < 2:
+            fail("grpo-group", f"algo.n_samples_per_prompt={a.n_samples_per_prompt}: GRPO normalises "
+                 "within a prompt's group and needs at least 2 samples")
+        samples = r.batch_size * a.n_samples_per_prompt
+        if gbs < 1 or samples % gbs:
+            fail("batch-size", f"rollout.batch_size*algo.n_samples_per_prompt = {r.batch_size}*"
+                 f"{a.n_samples_per_prompt} = {samples} is not a multiple of trainer.global_batch_size={gbs}")
+    if not p.use_dynamic_batch_size and gbs % (p.micro_batch_size * layout.dp):
+        fail("batch-size", f"trainer.global_batch_size={gbs} is not a multiple of "
+             f"micro_batch_size*dp = {p.micro_batch_size}*{layout.dp}")
+    if a.eps_clip <= 0 or a.eps_clip_high < a.eps_clip:
+        fail("clip-range", f"need 0 < algo.eps_clip ({a.eps_clip}) <= algo.eps_clip_high ({a.eps_clip_high})")
+    if cfg.data.min_pixels > cfg.data.max_pixels:
+        fail("pixels", f"data.min_pixels={cfg.data.min_pixels} > data.max_pixels={cfg.data.max_pixels}")
+    if r.max_new_tokens < 1:
+        fail("positive", f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    return out
+
+
+def validate(cfg: VlmrlConfig) -> VlmrlConfig:
+    """Raise ConfigError listing every violated rule; return cfg unchanged when valid."""
+    violations = check(cfg)
+    if violations:
+        raise ConfigError(violations)
+    return cfg

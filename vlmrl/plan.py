@@ -1,0 +1,113 @@
+"""The plan: `python -m vlmrl.plan [overrides]` prints what a run would put where.
+
+Validates the config, then prints the model's parameter counts, the trainer's rank layout
+(which GPU holds which TP/PP/CP/DP and EP/ETP shard), where the rollout engines go, and a
+per-GPU memory estimate. Nothing is started and no torch/megatron/ray is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .cli import hydra_entry
+from .config import ConfigError, VlmrlConfig, compute_layout, to_dataclass, validate
+from .config.memory import GIB, count_params, estimate_memory, sequence_length
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def render_plan(cfg: VlmrlConfig) -> str:
+    """The plan as text (what the command prints)."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    out = StringIO()
+    console = Console(file=out, width=120, force_terminal=False, color_system=None)
+    layout = compute_layout(cfg)
+    p, lm, r = cfg.parallel, cfg.model.lm, cfg.rollout
+    counts = count_params(cfg)
+    device = "GPU" if layout.on_gpu else "CPU rank"
+
+    console.print(f"[bold]model[/] {cfg.model.name} ({cfg.model.family}): {_b(counts.total)} parameters "
+                  f"({_b(counts.active)} active per token), language model {_b(counts.language_model)}, "
+                  f"vision tower {_b(counts.vision)}")
+    layer_kinds = list(lm.layer_types) or ["full_attention"] * lm.num_layers
+    console.print(f"  {lm.num_layers} layers: {layer_kinds.count('full_attention')} full attention, "
+                  f"{layer_kinds.count('linear_attention')} Gated DeltaNet; "
+                  + (f"{lm.num_experts} experts top-{lm.moe_router_topk}" if lm.num_experts else "dense MLP"))
+    console.print(f"[bold]trainer[/] world {layout.trainer_world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} "
+                  f"x dp {layout.dp}; experts: ep {p.ep} x etp {p.etp} x edp {layout.expert_dp} per stage; "
+                  f"sequence parallel {'on' if p.sequence_parallel else 'off'}; recompute "
+                  f"{p.recompute_granularity or 'off'}; {cfg.hardware.name} ({cfg.hardware.train_dtype})")
+
+    table = Table(title="trainer ranks (Megatron order " + "tp-cp-ep-dp-pp" + ")")
+    for col in ("rank", "node", device, "tp", "cp", "dp", "pp", "ep", "etp", "edp", "also hosts"):
+        table.add_column(col, justify="right")
+    engines = layout.engines(cfg)
+    owner = {}
+    if cfg.cluster.colocate:
+        for e in engines:
+            for d in e.devices:
+                owner[(e.node, d)] = f"engine {e.index}"
+    for c in layout.coords(cfg):
+        table.add_row(*map(str, (c.rank, c.node, c.local_device, c.tp, c.cp, c.dp, c.pp, c.ep, c.etp, c.edp)),
+                      owner.get((c.node, c.local_device), ""))
+    console.print(table)
+
+    mode = "colocated with the trainer" if cfg.cluster.colocate else "on their own devices"
+    if layout.on_gpu:
+        console.print(f"[bold]rollout[/] {r.name}: {layout.num_engines} engine(s) x {r.gpus_per_engine} GPU(s) "
+                      f"(ep {r.sglang.ep_size}), {mode}"
+                      + ("; async (one step off-policy)" if cfg.cluster.async_rollout else ""))
+        for e in engines:
+            console.print(f"  engine {e.index}: node {e.node}, GPUs {list(e.devices)}")
+    else:
+        console.print(f"[bold]rollout[/] {r.name}: 1 engine in a Ray actor on the CPU")
+    n = cfg.algo.n_samples_per_prompt
+    console.print(f"[bold]step[/] {r.batch_size} prompts x {n} samples = {r.batch_size * n} samples, "
+                  f"global batch {cfg.trainer.global_batch_size} -> "
+                  f"{max(r.batch_size * n // max(cfg.trainer.global_batch_size, 1), 1)} optimizer step(s) per rollout; "
+                  f"max sequence {sequence_length(cfg)} tokens")
+
+    mem = estimate_memory(cfg)
+    mt = Table(title=f"memory estimate per {device} (most loaded rank: pipeline stage 0)")
+    for col in ("params", "grads", "optimizer", "activations", "train total", "rollout pool", "device"):
+        mt.add_column(col, justify="right")
+    total_dev = cfg.hardware.gpu_memory_gb * GIB
+    mt.add_row(_gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.activations),
+               _gib(mem.train_total), _gib(mem.rollout_pool) if mem.rollout_pool else "-",
+               _gib(total_dev) if total_dev else "-")
+    console.print(mt)
+    console.print(f"  activations for {mem.tokens_per_micro_batch} tokens per micro-batch"
+                  + (", split over cp" if p.cp > 1 else ""))
+    if total_dev and cfg.cluster.colocate and mem.rollout_pool:
+        console.print("  colocated: engines release their pool while the trainer runs and resume it "
+                      "after the weight sync; the two phases do not overlap")
+    if total_dev and mem.train_total > 0.95 * total_dev:
+        console.print(f"  [bold]warning[/]: the training phase needs about {_gib(mem.train_total)} "
+                      f"of {_gib(total_dev)}")
+    return out.getvalue()
+
+
+def run(cfg: Any) -> None:
+    try:
+        config = validate(to_dataclass(cfg))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(render_plan(config), end="")
+
+
+main = hydra_entry(run, writes_run_dir=False)
+
+if __name__ == "__main__":
+    main()
