@@ -1,0 +1,264 @@
+"""The tiny checkpoint: a real HF checkpoint directory of a small random Qwen2.5-VL model.
+
+`python -m vlmrl.models.tiny --out DIR` writes config.json, model.safetensors, a byte-level
+BPE tokenizer trained here (with Qwen's chat and vision special tokens and a chat template
+that emits image placeholders), the image processor config and the processor config.
+Everything downstream loads it with `from_pretrained`, exactly like a downloaded model.
+`model=tiny` with an empty `model.path` builds it on first use under `model.cache_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..config.schema import ModelConfig
+from .processor import image_only, save_processor
+
+# Special tokens take the first ids, in this order; model/tiny.yaml names three of them.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+)
+
+# Qwen-style chat template: images become <|vision_start|><|image_pad|><|vision_end|> in
+# message order; the processor expands each <|image_pad|> to the image's token count.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in part -%}"
+    "{{ part['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "<|im_end|>{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>{{ 'assistant\\n' }}{%- endif -%}"
+)
+
+MAKER_VERSION = 1  # bump when the files written here change
+
+
+def _corpus(seed: int = 0, n: int = 4000) -> list[str]:
+    """Text the tokenizer is trained on: geometry problems, numbers, LaTeX answers, chat words."""
+    rng = random.Random(seed)
+    shapes = ["triangle", "circle", "square", "rectangle", "polygon", "segment", "angle", "line",
+              "arc", "chord", "radius", "diameter", "side", "vertex", "figure", "diagram", "shape"]
+    colors = ["red", "green", "blue", "yellow", "black", "orange", "purple", "gray", "white"]
+    verbs = ["Find", "How many", "What is", "Which", "Count the", "Compute", "Determine", "Give"]
+    words = ["the", "of", "in", "is", "are", "a", "an", "to", "and", "measure", "length", "area",
+             "perimeter", "number", "value", "x", "y", "m", "cm", "units", "degrees", "answer",
+             "Answer:", "Therefore", "so", "The", "final", "image", "shown", "below", "there",
+             "many", "color", "colored", "largest", "smallest", "left", "right", "top", "bottom"]
+    latex = ["\\boxed{", "}", "\\frac{", "\\sqrt{", "\\pi", "^\\circ", "\\angle", "\\triangle",
+             "\\text{", "\\cdot", "=", "+", "-", "(", ")", "{", "}", ".", ",", "?", ":"]
+    out = []
+    for _ in range(n):
+        k = rng.randint(6, 20)
+        pool = shapes + colors + verbs + words + latex
+        toks = [rng.choice(pool) for _ in range(k)]
+        toks.insert(rng.randint(0, k), str(rng.randint(0, 400)))
+        if rng.random() < 0.5:
+            toks.append(f"Answer: \\boxed{{{rng.randint(0, 99)}}}")
+        out.append(" ".join(toks))
+    out += [str(i) for i in range(1000)] + [f"{i / 10:.1f}" for i in range(1000)]
+    out += ["system", "user", "assistant", "Please reason step by step, and put your final answer "
+            "within \\boxed{}."]
+    return out
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
+    """A byte-level BPE tokenizer (Qwen's pre-tokenization family) trained on `_corpus`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    return tok
+
+
+def hf_config(model: ModelConfig) -> Any:
+    """The transformers Qwen2_5_VLConfig of a `qwen2_5_vl` model config."""
+    from transformers import Qwen2_5_VLConfig
+
+    lm, v = model.lm, model.vision
+    if model.family != "qwen2_5_vl":
+        raise ValueError(f"the tiny maker builds Qwen2.5-VL models; model.family={model.family}")
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=lm.vocab_size,
+            hidden_size=lm.hidden_size,
+            intermediate_size=lm.ffn_hidden_size,
+            num_hidden_layers=lm.num_layers,
+            num_attention_heads=lm.num_attention_heads,
+            num_key_value_heads=lm.num_query_groups,
+            max_position_embeddings=lm.max_position_embeddings,
+            rms_norm_eps=lm.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "mrope_section": list(lm.mrope_section),
+                             "rope_theta": lm.rope_theta},
+            tie_word_embeddings=lm.tie_word_embeddings,
+            bos_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
+            eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+            pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
+        ),
+        vision_config=dict(
+            depth=v.depth,
+            hidden_size=v.hidden_size,
+            intermediate_size=v.intermediate_size,
+            num_heads=v.num_heads,
+            patch_size=v.patch_size,
+            temporal_patch_size=v.temporal_patch_size,
+            spatial_merge_size=v.spatial_merge_size,
+            in_channels=v.in_channels,
+            out_hidden_size=v.out_hidden_size,
+            window_size=v.window_size,
+            fullatt_block_indexes=list(v.fullatt_block_indexes),
+        ),
+        image_token_id=model.image_token_id,
+        video_token_id=SPECIAL_TOKENS.index("<|video_pad|>"),
+        vision_start_token_id=model.vision_start_token_id,
+        vision_end_token_id=model.vision_end_token_id,
+        tie_word_embeddings=lm.tie_word_embeddings,
+    )
+
+
+def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: int = 0,
+                          min_pixels: int = 3136, max_pixels: int = 12544) -> Path:
+    """Write the checkpoint directory `out` (atomically: a temp dir renamed at the end)."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ids = {"image": model.image_token_id, "start": model.vision_start_token_id, "end": model.vision_end_token_id}
+    expected = {"image": SPECIAL_TOKENS.index("<|image_pad|>"), "start": SPECIAL_TOKENS.index("<|vision_start|>"),
+                "end": SPECIAL_TOKENS.index("<|vision_end|>")}
+    if ids != expected:
+        raise ValueError(f"tiny model token ids {ids} must match the trained tokenizer's {expected}")
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=train_tokenizer(model.lm.vocab_size, seed),
+            bos_token=None,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            unk_token=None,
+            additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+            padding_side="left",
+            model_max_length=model.lm.max_position_embeddings,
+        )
+        tok.chat_template = CHAT_TEMPLATE
+        image_processor = Qwen2VLImageProcessorPil(
+            min_pixels=min_pixels, max_pixels=max_pixels,
+            patch_size=model.vision.patch_size, temporal_patch_size=model.vision.temporal_patch_size,
+            merge_size=model.vision.spatial_merge_size,
+        )
+        processor = image_only(Qwen2_5_VLProcessor)(image_processor=image_processor, tokenizer=tok,
+                                                    chat_template=CHAT_TEMPLATE)
+        save_processor(processor, tmp, "Qwen2_5_VLProcessor")
+
+        torch.manual_seed(seed)
+        config = hf_config(model)
+        net = Qwen2_5_VLForConditionalGeneration(config).eval()
+        net.generation_config.eos_token_id = [SPECIAL_TOKENS.index("<|im_end|>"),
+                                              SPECIAL_TOKENS.index("<|endoftext|>")]
+        net.generation_config.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
+        net.save_pretrained(tmp, safe_serialization=True)
+        meta = {"maker": "vlmrl.models.tiny", "version": MAKER_VERSION, "seed": seed,
+                "num_parameters": sum(p.numel() for p in net.parameters())}
+        (tmp / "vlmrl_tiny.json").write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _fingerprint(model: ModelConfig, seed: int, min_pixels: int, max_pixels: int) -> str:
+    arch = {"lm": asdict(model.lm), "vision": asdict(model.vision), "seed": seed, "version": MAKER_VERSION,
+            "pixels": [min_pixels, max_pixels]}
+    return hashlib.sha256(json.dumps(arch, sort_keys=True, default=list).encode()).hexdigest()[:10]
+
+
+def ensure_tiny_checkpoint(model: ModelConfig, *, seed: int = 0, min_pixels: int = 3136,
+                           max_pixels: int = 12544) -> str:
+    """The checkpoint dir for `model` (model.path when set), building it once if missing.
+
+    The cache entry is keyed by the architecture, so changing `model.lm.*` builds anew.
+    A file lock keeps concurrent first uses (test workers, Ray actors) from racing.
+    """
+    if model.path:
+        return model.path
+    import fcntl
+
+    root = Path(model.cache_dir) / "models"
+    out = root / f"tiny-{_fingerprint(model, seed, min_pixels, max_pixels)}"
+    if (out / "config.json").exists():
+        return str(out)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            build_tiny_checkpoint(model, out, seed=seed, min_pixels=min_pixels, max_pixels=max_pixels)
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model.lm.num_layers=2")
+    args = parser.parse_args(argv)
+
+    from ..config import load
+
+    cfg = load(["model=tiny", *args.overrides])
+    out = build_tiny_checkpoint(cfg.model, args.out, seed=args.seed, min_pixels=cfg.data.min_pixels,
+                                max_pixels=cfg.data.max_pixels)
+    meta = json.loads((out / "vlmrl_tiny.json").read_text())
+    print(f"wrote {out} ({meta['num_parameters'] / 1e6:.2f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()
