@@ -1,0 +1,325 @@
+"""Verifiers (math, geo3k) on GEO3K-style answers, their registry, and the RewardPool."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import pytest
+
+from vlmrl.rewards import (
+    VERIFIER_NAMES,
+    Geo3kVerifier,
+    MathVerifier,
+    RewardPool,
+    build_verifier,
+    get_verifier,
+    last_boxed,
+    normalize_answer,
+)
+
+MATH = get_verifier("math")
+TOL05 = get_verifier("geo3k_tol05")
+STRICT = get_verifier("geo3k_strict")
+
+# (response, label, math, geo3k_tol05, geo3k_strict)
+CASES = [
+    # integers and decimals
+    ("The area is \\boxed{270}.", "270", 1, 1, 1),
+    ("\\boxed{12.5}", "12.5", 1, 1, 1),
+    ("\\boxed{12.50}", "12.5", 1, 1, 1),
+    ("\\boxed{8.700}", "8.7", 1, 1, 1),
+    ("\\boxed{ 8.7 }", "8.7", 1, 1, 1),
+    ("\\boxed{12.5}", "12", 0, 0, 0),
+    ("\\boxed{60}", "30", 0, 0, 0),
+    ("\\boxed{-4}", "-4", 1, 1, 1),
+    ("\\boxed{-4}", "4", 0, 0, 0),
+    ("\\boxed{0}", "0", 1, 1, 1),
+    ("\\boxed{0.04}", "0", 0, 1, 0),
+    # fractions
+    ("\\boxed{\\frac{3}{4}}", "\\frac{3}{4}", 1, 1, 1),
+    ("\\boxed{0.75}", "\\frac{3}{4}", 1, 1, 1),
+    ("\\boxed{3/4}", "\\frac{3}{4}", 1, 1, 1),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1, 1, 1),
+    ("\\boxed{\\tfrac34}", "0.75", 1, 1, 1),
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", 1, 1, 1),
+    ("\\boxed{\\frac{40}{3}}", "\\frac { 40 } { 3 }", 1, 1, 1),
+    ("\\boxed{13.3}", "\\frac { 40 } { 3 }", 0, 1, 0),
+    ("\\boxed{0.33}", "\\frac{1}{3}", 0, 1, 0),
+    ("\\boxed{\\left(\\frac{1}{2}\\right)}", "0.5", 1, 1, 1),
+    # roots
+    ("\\boxed{\\sqrt{3}}", "\\sqrt{3}", 1, 1, 1),
+    ("\\boxed{\\sqrt3}", "\\sqrt{3}", 1, 1, 1),
+    ("\\boxed{1.732}", "\\sqrt{3}", 0, 1, 0),
+    ("\\boxed{2\\sqrt{3}}", "2\\sqrt{3}", 1, 1, 1),
+    ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", 1, 1, 1),
+    ("\\boxed{2 \\sqrt 3}", "2\\sqrt{3}", 1, 1, 1),
+    ("\\boxed{3.46}", "2\\sqrt{3}", 0, 1, 0),
+    ("\\boxed{3.5}", "2\\sqrt{3}", 0, 1, 0),
+    ("\\boxed{3.6}", "2\\sqrt{3}", 0, 0, 0),
+    ("\\boxed{4 \\sqrt { 3 }}", "4 \\sqrt { 3 }", 1, 1, 1),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1, 1, 1),
+    ("\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{3}}{2}", 1, 1, 1),
+    ("\\boxed{0.8660254}", "\\frac{\\sqrt{3}}{2}", 1, 1, 1),
+    ("\\boxed{0.866}", "\\frac{\\sqrt{3}}{2}", 0, 1, 0),
+    ("\\boxed{\\sqrt{2}^2}", "2", 1, 1, 1),
+    # rounding of GEO3K labels (one decimal)
+    ("\\boxed{8.66}", "8.7", 0, 1, 0),
+    ("\\boxed{8.65}", "8.7", 0, 1, 0),
+    ("\\boxed{8.75}", "8.7", 0, 1, 0),
+    ("\\boxed{8.64}", "8.7", 0, 0, 0),
+    ("\\boxed{8.76}", "8.7", 0, 0, 0),
+    ("\\boxed{8.7}", "8.7", 1, 1, 1),
+    # pi
+    ("\\boxed{3\\pi}", "3\\pi", 1, 1, 1),
+    ("\\boxed{9.42}", "3\\pi", 0, 1, 0),
+    ("\\boxed{\\frac{\\pi}{2}}", "\\frac{\\pi}{2}", 1, 1, 1),
+    ("\\boxed{1.5708}", "\\frac{\\pi}{2}", 0, 1, 0),
+    # angles and units
+    ("\\boxed{30^\\circ}", "30", 1, 1, 1),
+    ("\\boxed{30^{\\circ}}", "30", 1, 1, 1),
+    ("\\boxed{30°}", "30", 1, 1, 1),
+    ("\\boxed{30 \\text{ degrees}}", "30", 1, 1, 1),
+    ("\\boxed{12 \\text{ cm}}", "12", 1, 1, 1),
+    ("\\boxed{12\\,\\mathrm{cm}^2}", "12", 1, 1, 1),
+    ("\\boxed{12 \\text{ square units}}", "12", 1, 1, 1),
+    ("\\boxed{5 units}", "5", 1, 1, 1),
+    ("\\boxed{7 m}", "7", 1, 1, 1),
+    ("\\boxed{12.5\\%}", "12.5", 1, 1, 1),
+    # assignments, separators, punctuation, arithmetic
+    ("\\boxed{x = 5}", "5", 1, 1, 1),
+    ("\\boxed{AB = 2\\sqrt{3}}", "\\sqrt{12}", 1, 1, 1),
+    ("\\boxed{m \\angle ABC = 64}", "64", 1, 1, 1),
+    ("\\boxed{1,000}", "1000", 1, 1, 1),
+    ("\\boxed{1{,}250}", "1250", 1, 1, 1),
+    ("\\boxed{42.}", "42", 1, 1, 1),
+    ("So $\\boxed{42}$.", "42", 1, 1, 1),
+    ("\\boxed{(2+3)*4}", "20", 1, 1, 1),
+    ("\\boxed{2^{3}}", "8", 1, 1, 1),
+    ("\\boxed{0.1+0.2}", "0.3", 1, 1, 1),
+    # choices and text
+    ("\\boxed{A}", "A", 1, 1, 1),
+    ("\\boxed{(B)}", "B", 1, 1, 1),
+    ("\\boxed{\\text{B}}", "b", 1, 1, 1),
+    ("\\boxed{C}", "B", 0, 0, 0),
+    ("\\boxed{\\text{right triangle}}", "Right Triangle", 1, 1, 1),
+    ("\\boxed{5x}", "5", 0, 0, 0),
+    # extraction: missing, malformed, several, nested, \fbox, \boxed without braces
+    ("The answer is 270.", "270", 0, 0, 0),
+    ("\\boxed{}", "270", 0, 0, 0),
+    ("\\boxed{270", "270", 0, 0, 0),
+    ("First \\boxed{5}, but on reflection \\boxed{7}.", "7", 1, 1, 1),
+    ("First \\boxed{7}, but on reflection \\boxed{5}.", "7", 0, 0, 0),
+    ("\\boxed{7} and then a broken \\boxed{5", "7", 0, 0, 0),
+    ("\\boxed{\\frac{\\sqrt{\\frac{12}{1}}}{1}}", "2\\sqrt{3}", 1, 1, 1),
+    ("\\fbox{15}", "15", 1, 1, 1),
+    ("so $\\boxed 5$", "5", 1, 1, 1),
+    ("\\boxed5", "5", 1, 1, 1),
+    ("\\boxed{6}", "\\boxed{6}", 1, 1, 1),
+    ("\\boxed{\\frac{1}}", "1", 0, 0, 0),
+    ("\\boxed{10**10**10}", "10000000000", 0, 0, 0),
+    ("\\boxed{9^9^9^9}", "1", 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize(("response", "label", "math", "tol05", "strict"), CASES)
+def test_verifier_table(response: str, label: str, math: int, tol05: int, strict: int) -> None:
+    assert (MATH(response, label), TOL05(response, label), STRICT(response, label)) == (math, tol05, strict)
+
+
+def test_table_is_large_and_consistent() -> None:
+    assert len(CASES) >= 60
+    # geo3k accepts everything math accepts: the table must say so too.
+    assert all(tol05 >= math and strict >= math for _, _, math, tol05, strict in CASES)
+
+
+def test_geo3k_accepts_everything_math_accepts() -> None:
+    responses = [response for response, *_ in CASES[::2]]
+    labels = [label for _, label, *_ in CASES[1::2]]
+    for response in responses:
+        for label in labels:
+            if MATH(response, label):
+                assert TOL05(response, label) == 1.0, (response, label)
+                assert STRICT(response, label) == 1.0, (response, label)
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("\\boxed{99.5}", "100", 1.0),
+        ("\\boxed{101}", "100", 1.0),
+        ("\\boxed{98.9}", "100", 0.0),
+        ("\\boxed{0.0101}", "0.01", 1.0),  # the bound, 1% of the label, is inclusive
+        ("\\boxed{0.0102}", "0.01", 0.0),
+        ("\\boxed{0}", "0", 1.0),
+        ("\\boxed{0.001}", "0", 0.0),
+    ],
+)
+def test_geo3k_relative_tolerance(response: str, label: str, expected: float) -> None:
+    verifier = Geo3kVerifier(name="geo3k_rel", tolerance=0.01, relative=True)
+    assert verifier(response, label) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\\boxed{a{b}c}", "a{b}c"),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\boxed{1} \\boxedtext{2}", "1"),
+        ("\\fbox{1} then \\boxed{2}", "2"),
+        ("\\boxed{1} then \\fbox{2}", "2"),
+        ("\\boxed   {3}", "3"),
+        ("\\boxed 12.5 cm", "12.5"),
+        ("no box", None),
+        ("\\boxed", None),
+        ("\\boxed{" + "1" * 3000 + "}", None),
+    ],
+)
+def test_last_boxed(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("x = \\dfrac{3}{4}", "\\frac{3}{4}"),
+        ("45^{\\circ}", "45"),
+        ("12\\text{ cm}^2", "12"),
+        ("1,234,567", "1234567"),
+        ("$5$.", "5"),
+        ("(C)", "C"),
+        ("m", "m"),
+        ("\\text{units}", "units"),
+    ],
+)
+def test_normalize_answer(raw: str, expected: str) -> None:
+    assert normalize_answer(raw) == expected
+
+
+def test_non_string_label_is_converted() -> None:
+    assert MATH("\\boxed{12}", 12) == 1.0  # type: ignore[arg-type]
+
+
+def test_get_verifier_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="unknown verifier 'gsm8k'") as error:
+        get_verifier("gsm8k")
+    for name in ("math", "geo3k_tol05", "geo3k_strict"):
+        assert name in str(error.value)
+    assert set(VERIFIER_NAMES) == {"math", "geo3k_tol05", "geo3k_strict"}
+
+
+def test_presets() -> None:
+    assert isinstance(MATH, MathVerifier)
+    assert TOL05 == Geo3kVerifier(name="geo3k_tol05", tolerance=0.05)
+    assert STRICT.tolerance == 0.0 and not STRICT.relative
+    assert get_verifier("geo3k_tol05", relative=True).relative
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"name": "math", "_target_": "vlmrl.rewards.math.MathVerifier", "timeout_s": 1.0, "num_workers": 2},
+        {
+            "name": "geo3k_tol05",
+            "_target_": "vlmrl.rewards.geo3k.Geo3kVerifier",
+            "tolerance": 0.05,
+            "relative": False,
+            "timeout_s": 1.0,
+            "num_workers": 2,
+        },
+        {
+            "name": "geo3k_strict",
+            "_target_": "vlmrl.rewards.geo3k.Geo3kVerifier",
+            "tolerance": 0.0,
+            "relative": False,
+            "timeout_s": 1.0,
+            "num_workers": 2,
+        },
+    ],
+)
+def test_build_verifier_from_reward_config(cfg: dict) -> None:
+    verifier = build_verifier(cfg)
+    assert verifier.name == cfg["name"] and verifier.num_workers == 2 and verifier.timeout_s == 1.0
+    assert verifier == get_verifier(cfg["name"], timeout_s=1.0, num_workers=2)
+    assert pickle.loads(pickle.dumps(verifier)) == verifier
+
+
+def test_build_verifier_errors() -> None:
+    assert build_verifier({"name": "geo3k_strict"}) == STRICT
+    with pytest.raises(ValueError, match="_target_"):
+        build_verifier({"tolerance": 0.1})
+    with pytest.raises(ValueError, match="cannot import"):
+        build_verifier({"_target_": "vlmrl.rewards.nope.Verifier"})
+    with pytest.raises(TypeError, match="not a vlmrl.rewards.base.Verifier"):
+        build_verifier({"_target_": "collections.OrderedDict"})
+    with pytest.raises(TypeError):
+        build_verifier({"_target_": "vlmrl.rewards.math.MathVerifier", "tolerance": 0.1})
+    with pytest.raises(ValueError, match="tolerance"):
+        Geo3kVerifier(tolerance=-1.0)
+
+
+# -- RewardPool ---------------------------------------------------------------------------
+
+POOL_RESPONSES = [response for response, *_ in CASES]
+POOL_LABELS = [label for _, label, *_ in CASES]
+POOL_PAIRS = list(zip(POOL_RESPONSES, POOL_LABELS))
+
+
+class ScriptedScorer:
+    """Test scorer: hangs on "hang", raises on "boom", else the math verifier."""
+
+    def __call__(self, response: str, answer: str) -> float:
+        if response == "hang":
+            time.sleep(60)
+        if response == "boom":
+            raise RuntimeError("boom")
+        return MATH(response, answer)
+
+
+def test_pool_inline_matches_direct_calls() -> None:
+    with RewardPool(TOL05, num_workers=0) as pool:
+        assert pool.score(POOL_RESPONSES, POOL_LABELS) == [TOL05(r, a) for r, a in POOL_PAIRS]
+        assert asyncio.run(pool.ascore(POOL_RESPONSES[:5], POOL_LABELS[:5])) == [
+            TOL05(r, a) for r, a in POOL_PAIRS[:5]
+        ]
+        assert pool.stats.calls == len(CASES) + 5 and pool.stats.timeouts == pool.stats.errors == 0
+
+
+def test_pool_inline_counts_overruns_and_errors() -> None:
+    class Slow:
+        def __call__(self, response: str, answer: str) -> float:
+            if response == "boom":
+                raise RuntimeError("boom")
+            time.sleep(0.05)
+            return 1.0
+
+    with RewardPool(Slow(), num_workers=0, timeout_s=0.01) as pool:
+        assert pool.score(["\\boxed{1}", "boom"], ["1", "1"]) == [0.0, 0.0]
+        assert (pool.stats.timeouts, pool.stats.errors) == (1, 1)
+
+
+def test_pool_workers_match_direct_calls_and_replace_stuck_worker() -> None:
+    responses = [*POOL_RESPONSES, "hang", "boom", *POOL_RESPONSES[:10]]
+    labels = [*POOL_LABELS, "1", "1", *POOL_LABELS[:10]]
+    expected = [MATH(r, a) for r, a in zip(responses, labels)]
+    with RewardPool(ScriptedScorer(), num_workers=2, timeout_s=1.0) as pool:
+        start = time.perf_counter()
+        assert pool.score(responses, labels) == expected
+        assert time.perf_counter() - start < 20  # the hung call cost its timeout, not 60 s
+        assert (pool.stats.timeouts, pool.stats.errors, pool.stats.restarts) == (1, 1, 1)
+        # The replacement worker is serving: the next batch is complete and correct.
+        assert asyncio.run(pool.ascore(POOL_RESPONSES, POOL_LABELS)) == expected[: len(CASES)]
+        assert pool.stats.calls == len(responses) + len(CASES)
+    assert pool.stats.timeouts == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score(["\\boxed{1}"], ["1"])
+    pool.close()  # idempotent
+
+
+def test_pool_defaults_come_from_the_verifier() -> None:
+    verifier = get_verifier("math", timeout_s=2.5)
+    with RewardPool(verifier) as pool:
+        assert (pool.num_workers, pool.timeout_s) == (0, 2.5)
+        with pytest.raises(ValueError, match="2 responses but 1 answers"):
+            pool.score(["a", "b"], ["a"])

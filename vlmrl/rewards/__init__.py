@@ -1,0 +1,32 @@
+"""Rule-based verifiers: ``get_verifier(name)(response, answer) -> 0.0 | 1.0``.
+
+``math`` (the default) rewards a last ``\\boxed{}`` answer that is mathematically equal
+to the label; ``geo3k_tol05`` and ``geo3k_strict`` also accept numeric answers within
+0.05 (or exactly at) the label. :class:`RewardPool` scores batches in worker processes
+with a hard per-call timeout. Nothing here evaluates model text with ``eval`` or a CAS.
+"""
+
+from vlmrl.rewards.answer import Answer, normalize_answer, parse_answer, parse_label
+from vlmrl.rewards.base import Verifier
+from vlmrl.rewards.extract import last_boxed
+from vlmrl.rewards.geo3k import Geo3kVerifier
+from vlmrl.rewards.math import MathVerifier, math_equal
+from vlmrl.rewards.pool import PoolStats, RewardPool
+from vlmrl.rewards.registry import VERIFIER_NAMES, build_verifier, get_verifier
+
+__all__ = [
+    "VERIFIER_NAMES",
+    "Answer",
+    "Geo3kVerifier",
+    "MathVerifier",
+    "PoolStats",
+    "RewardPool",
+    "Verifier",
+    "build_verifier",
+    "get_verifier",
+    "last_boxed",
+    "math_equal",
+    "normalize_answer",
+    "parse_answer",
+    "parse_label",
+]
