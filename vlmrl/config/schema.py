@@ -126,6 +126,7 @@ class ModelConfig(Sealable):
 # --------------------------------------------------------------------------- parallel
 @dataclass
 class ParallelConfig(Sealable):
+    name: str = MISSING
     tp: int = 1  # tensor parallel
     pp: int = 1  # pipeline parallel
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)

@@ -193,7 +193,8 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
              f"{lm.num_attention_heads}")
     if lm.num_query_groups % p.tp:
         fail("tp-kv-groups", f"parallel.tp={p.tp} does not divide model.lm.num_query_groups="
-             f"{lm.num_query_groups}")
+             f"{lm.num_query_groups}: Megatron gives each TP rank whole KV groups, so tp must divide "
+             f"them (scale out with dp, cp or ep instead)")
     if is_gdn_model(cfg):
         for key in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(lm, key) % p.tp:

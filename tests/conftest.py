@@ -1,0 +1,53 @@
+"""Shared fixtures: the tiny checkpoint (built once per session) and the gpu marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests never talk to a hub or to wandb's servers.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """A per-session VLMRL_CACHE, so tests never read or write the user's cache."""
+    path = tmp_path_factory.mktemp("vlmrl-cache")
+    os.environ["VLMRL_CACHE"] = str(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_config(cache_dir):
+    """The composed default config (model=tiny, data=synthetic) with the session cache."""
+    from vlmrl.config import load
+
+    return load([f"model.cache_dir={cache_dir}"])
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_config) -> str:
+    """Path of the tiny HF checkpoint directory (config, safetensors, tokenizer, processor)."""
+    from vlmrl.models.tiny import ensure_tiny_checkpoint
+
+    d = tiny_config.data
+    return ensure_tiny_checkpoint(tiny_config.model, min_pixels=d.min_pixels, max_pixels=d.max_pixels)

@@ -1,0 +1,255 @@
+"""The config tree: every option composes and validates, invalid configs are rejected by
+rule, override typos list the valid keys, and the layout/memory arithmetic is right."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from vlmrl.config import CONF_DIR, ConfigError, UnknownKeyError, check_key, compose, compute_layout, load
+from vlmrl.config.memory import count_params, estimate_memory
+from vlmrl.config.schema import GROUPS
+
+GPU = ["hardware=h200", "rollout=sglang", "cluster.num_gpus=8", "cluster.colocate=true"]
+GPU_DENSE = [*GPU, "model=qwen2_5_vl_3b"]
+REFERENCE = ["experiment=geo3k_qwen35"]
+
+# The context in which each option must validate (CPU default unless listed).
+CONTEXT: dict[tuple[str, str], list[str]] = {
+    ("model", "qwen2_5_vl_3b"): GPU_DENSE,
+    ("model", "qwen2_5_vl_7b"): [*GPU, "model=qwen2_5_vl_7b"],
+    ("model", "qwen3_5_35b_a3b"): REFERENCE,
+    ("parallel", "tp2_sp"): [*GPU_DENSE, "parallel.use_dynamic_batch_size=true"],
+    ("parallel", "moe_ep8"): REFERENCE,
+    ("hardware", "h100"): GPU_DENSE,
+    ("hardware", "h200"): GPU_DENSE,
+    ("hardware", "b200"): GPU_DENSE,
+    ("rollout", "sglang"): GPU_DENSE,
+    ("cluster", "external"): GPU_DENSE,
+    ("data", "geo3k"): [],
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+ALL_OPTIONS = [(g, o) for g in [*GROUPS, "experiment"] for o in options(g)]
+
+
+def test_every_group_has_options():
+    for group in GROUPS:
+        assert options(group), f"conf/{group}/ has no options"
+
+
+@pytest.mark.parametrize(("group", "option"), ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_every_option_composes_and_validates(group, option):
+    overrides = list(CONTEXT.get((group, option), []))
+    if f"{group}={option}" not in overrides and group != "experiment":
+        overrides.append(f"{group}={option}")
+    if group == "experiment":
+        overrides = [f"experiment={option}"]
+    cfg = load(overrides)
+    section = getattr(cfg, group) if group != "experiment" else cfg
+    assert section is not None
+    if group != "experiment":
+        assert section.name == option
+
+
+def test_config_is_frozen():
+    cfg = load([])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.tp = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1  # type: ignore[misc]
+
+
+def test_reference_recipe_values():
+    cfg = load(REFERENCE)
+    assert cfg.model.name == "qwen3_5_35b_a3b"
+    lm, v = cfg.model.lm, cfg.model.vision
+    assert (lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.num_query_groups, lm.head_dim) == (
+        40, 2048, 16, 2, 256)
+    assert lm.layer_types.count("linear_attention") == 30 and lm.layer_types.count("full_attention") == 10
+    assert all(t == "full_attention" for t in lm.layer_types[3::4])
+    assert (lm.linear_num_key_heads, lm.linear_num_value_heads, lm.linear_key_head_dim,
+            lm.linear_conv_kernel_dim) == (16, 32, 128, 4)
+    assert (lm.num_experts, lm.moe_router_topk, lm.moe_ffn_hidden_size, lm.shared_expert_ffn_hidden_size) == (
+        256, 8, 512, 512)
+    assert lm.shared_expert_gate and lm.attention_output_gate and lm.qk_layernorm
+    assert (lm.vocab_size, lm.partial_rotary_factor, lm.rope_theta) == (248320, 0.25, 1e7)
+    assert list(lm.mrope_section) == [11, 11, 10] and lm.mrope_interleaved
+    assert (v.patch_size, v.temporal_patch_size, v.spatial_merge_size) == (16, 2, 2)
+    # the recipe
+    assert cfg.rollout.batch_size == 64 and cfg.algo.n_samples_per_prompt == 8
+    assert cfg.trainer.global_batch_size == 512
+    o = cfg.trainer.optim
+    assert (o.lr, o.lr_decay_style, o.adam_beta1, o.adam_beta2, o.weight_decay) == (1e-6, "constant", 0.9, 0.98, 0.1)
+    assert cfg.rollout.temperature == 0.8 and cfg.rollout.max_new_tokens == 4096
+    assert cfg.eval_interval == 20 and cfg.rollout.eval.n_samples_per_prompt == 1 and cfg.data.test_split == "test"
+    p = cfg.parallel
+    assert (p.tp, p.sequence_parallel, p.ep, p.etp, p.recompute_granularity, p.micro_batch_size) == (
+        2, True, 8, 1, "full", 1)
+    assert cfg.cluster.colocate and cfg.cluster.num_gpus == 8
+    assert cfg.rollout.name == "sglang" and cfg.rollout.num_gpus == 8 and cfg.rollout.sglang.ep_size == 8
+    assert cfg.rollout.sglang.mem_fraction_static == 0.7
+    assert cfg.algo.eps_clip == 0.2 and cfg.algo.eps_clip_high == 0.28
+    assert cfg.data.path == "chenhegu/geo3k_imgurl"
+
+
+def test_b200_uses_sdpa_and_fa2():
+    cfg = load([*REFERENCE, "hardware=b200"])
+    assert cfg.hardware.sglang_mm_attention_backend == "sdpa"
+    assert cfg.hardware.vision_attn_implementation == "flash_attention_2"
+    for name in ("h100", "h200"):
+        hw = load([*REFERENCE, f"hardware={name}"]).hardware
+        assert hw.sglang_mm_attention_backend == "fa3" and hw.vision_attn_implementation == "flash_attention_3"
+
+
+def test_dataset_name_env_override(monkeypatch):
+    monkeypatch.setenv("VLMRL_DATASET_NAME", "/data/geo3k_local")
+    assert load(["data=geo3k"]).data.path == "/data/geo3k_local"
+
+
+INVALID = [
+    ([*REFERENCE, "parallel.tp=3"], "world-size", "tp*pp*cp"),
+    ([*REFERENCE, "parallel.tp=4", "model.lm.num_query_groups=2"], "tp-kv-groups", "num_query_groups=2"),
+    ([*GPU_DENSE, "parallel.tp=8", "model.lm.num_attention_heads=12", "model.lm.num_query_groups=8"],
+     "tp-heads", "num_attention_heads=12"),
+    ([*REFERENCE, "parallel.ep=3"], "ep-experts", "num_experts=256"),
+    ([*GPU_DENSE, "parallel.ep=2"], "ep-experts", "has no experts"),
+    ([*REFERENCE, "parallel.ep=16"], "ep-world", "world/pp"),
+    (["parallel.sequence_parallel=true"], "sp-needs-tp", "tp > 1"),
+    ([*REFERENCE, "parallel.micro_batch_size=2"], "gdn-micro-batch", "micro_batch_size=1"),
+    ([*REFERENCE, "parallel.use_dynamic_batch_size=true"], "gdn-micro-batch", "use_dynamic_batch_size=false"),
+    ([*REFERENCE, "parallel.pp=3"], "pp-layers", "num_layers=40"),
+    (["hardware=h200"], "hardware-devices", "num_gpus >= 1"),
+    (["cluster.num_gpus=2"], "hardware-devices", "must be 0"),
+    (["rollout=sglang"], "hardware-backend", "rollout=sglang needs GPUs"),
+    ([*REFERENCE, "hardware=b200", "hardware.sglang_mm_attention_backend=fa3"], "hardware-attention",
+     "no FlashAttention 3"),
+    ([*REFERENCE, "hardware=b200", "hardware.vision_attn_implementation=flash_attention_3"],
+     "hardware-attention", "flash_attention_2"),
+    ([*REFERENCE, "hardware.sglang_mm_attention_backend=flash"], "hardware-attention", "SGLang's"),
+    (["cluster.colocate=true"], "colocate", "has none"),
+    ([*REFERENCE, "cluster.async_rollout=true"], "colocate", "async_rollout"),
+    ([*REFERENCE, "rollout.num_gpus=4"], "colocate", "rollout.num_gpus=4"),
+    ([*GPU_DENSE, "cluster.colocate=false", "rollout.num_gpus=8"], "separate-gpus", "trainer_gpus"),
+    ([*REFERENCE, "rollout.gpus_per_engine=3"], "engine-gpus", "gpus_per_engine=3"),
+    ([*REFERENCE, "rollout.sglang.ep_size=3"], "engine-gpus", "ep_size=3"),
+    ([*REFERENCE, "rollout.sglang.mem_fraction_static=1.5"], "engine-memory", "(0, 1)"),
+    (["algo.n_samples_per_prompt=1"], "grpo-group", "at least 2"),
+    (["rollout.batch_size=3", "trainer.global_batch_size=16"], "batch-size", "global_batch_size=16"),
+    (["algo.eps_clip_high=0.1"], "clip-range", "eps_clip_high"),
+    (["model.lm.mrope_section=[8,8,8]"], "mrope-section", "head_dim * partial_rotary_factor"),
+    (["algo.kl_type=k9"], "enum", "k9"),
+    (["data.min_pixels=100000"], "pixels", "min_pixels"),
+    (["cluster=external", "cluster.address=null", *GPU_DENSE], "cluster-address", "cluster.address"),
+    (["hardware.train_dtype=bfloat16"], "hardware-backend", "CPU trains in float32"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "rule", "text"), INVALID, ids=[f"{r}-{i}" for i, (_, r, _) in enumerate(INVALID)])
+def test_invalid_configs_are_rejected_by_rule(overrides, rule, text):
+    with pytest.raises(ConfigError) as err:
+        load(overrides)
+    assert rule in err.value.rules, str(err.value)
+    msgs = [str(v) for v in err.value.violations if v.rule == rule]
+    assert any(text in m for m in msgs), msgs
+
+
+def test_all_violations_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load([*REFERENCE, "parallel.tp=3", "parallel.micro_batch_size=2"])
+    assert {"world-size", "tp-heads", "gdn-micro-batch"} <= set(err.value.rules)
+
+
+@pytest.mark.parametrize("key", ["model.lm.num_layerz", "parallel.tpp", "rollout.sglang.mem_fraction",
+                                 "trainr.global_batch_size", "algo.eps_clip.x"])
+def test_unknown_override_keys_name_valid_keys(key):
+    with pytest.raises(UnknownKeyError) as err:
+        check_key(key)
+    assert "Unknown config key" in str(err.value)
+    if not key.endswith(".x"):
+        assert "Valid keys" in str(err.value)
+
+
+def test_typo_suggests_closest_key():
+    with pytest.raises(UnknownKeyError, match="Did you mean 'parallel.tp'"):
+        check_key("parallel.tpp")
+
+
+def test_passthrough_dicts_accept_any_key():
+    check_key("trainer.megatron.moe_token_dispatcher_type")
+    check_key("rollout.sglang.server_args.enable_dp_attention")
+    cfg = load(["+trainer.megatron.moe_token_dispatcher_type=alltoall",
+                "+rollout.sglang.server_args.chunked_prefill_size=4096"])
+    assert cfg.trainer.megatron["moe_token_dispatcher_type"] == "alltoall"
+    assert cfg.rollout.sglang.server_args["chunked_prefill_size"] == 4096
+
+
+def test_struct_mode_rejects_unknown_keys_in_compose():
+    with pytest.raises(Exception, match="num_layerz"):
+        compose(["model.lm.num_layerz=3"])
+
+
+def test_layout_of_reference_recipe():
+    cfg = load(REFERENCE)
+    layout = compute_layout(cfg)
+    assert (layout.trainer_world_size, layout.dp, layout.expert_dp, layout.num_engines) == (8, 4, 1, 1)
+    coords = layout.coords(cfg)
+    assert [c.tp for c in coords] == [0, 1] * 4
+    assert [c.dp for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [c.ep for c in coords] == list(range(8))
+    assert layout.engines(cfg)[0].devices == tuple(range(8))
+
+
+def test_layout_pipeline_and_separate_engines():
+    cfg = load([*GPU_DENSE, "cluster.colocate=false", "cluster.trainer_gpus=4", "rollout.num_gpus=4",
+                "rollout.gpus_per_engine=2", "parallel.pp=2", "trainer.global_batch_size=32"])
+    layout = compute_layout(cfg)
+    assert (layout.trainer_world_size, layout.dp, layout.num_engines) == (4, 2, 2)
+    assert [c.pp for c in layout.coords(cfg)] == [0, 0, 1, 1]
+    assert [e.devices for e in layout.engines(cfg)] == [(4, 5), (6, 7)]
+
+
+def test_param_counts_of_reference_model():
+    counts = count_params(load(REFERENCE))
+    assert 34.5e9 < counts.total < 36e9  # "35B"
+    assert 3e9 < counts.active < 4.5e9  # "A3B"
+
+
+def test_param_counts_match_transformers_for_tiny(tiny_checkpoint, tiny_config):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_checkpoint)
+    counts = count_params(tiny_config)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.vision == sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+
+
+def test_param_counts_match_transformers_for_qwen35_moe():
+    import torch
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    cfg = load([*REFERENCE, "model.lm.num_layers=4", f"model.lm.layer_types=[{','.join(types)}]",
+                "model.lm.num_experts=8", "model.lm.moe_router_topk=2", "model.lm.vocab_size=1000",
+                "model.vision.depth=2"], check_rules=False)
+    hf = Qwen3_5MoeConfig(text_config=dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                                           vocab_size=1000, layer_types=types),
+                          vision_config=dict(depth=2, out_hidden_size=2048))
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(hf)
+    assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_estimate_scales_with_parallelism():
+    base = estimate_memory(load(REFERENCE))
+    no_tp = estimate_memory(load([*REFERENCE, "parallel.tp=1", "parallel.sequence_parallel=false"]))
+    assert no_tp.params > base.params and no_tp.activations > base.activations
+    no_recompute = estimate_memory(load([*REFERENCE, "parallel.recompute_granularity=null"]))
+    assert no_recompute.activations > base.activations
+    assert base.rollout_pool == pytest.approx(0.7 * 141 * 1024**3)
