@@ -145,6 +145,8 @@ INVALID = [
     (["algo.eps_clip_high=0.1"], "clip-range", "eps_clip_high"),
     (["model.lm.mrope_section=[8,8,8]"], "mrope-section", "head_dim * partial_rotary_factor"),
     (["algo.kl_type=k9"], "enum", "k9"),
+    (["algo.policy_loss=gspo"], "gspo-agg", "seq_mean_token_mean"),
+    (["parallel.cp=2", "cluster.num_cpu_ranks=2", "algo.loss_agg_mode=seq_mean_token_sum"], "cp-loss", "token_mean"),
     (["data.min_pixels=100000"], "pixels", "min_pixels"),
     (["cluster=external", "cluster.address=null", *GPU_DENSE], "cluster-address", "cluster.address"),
     (["hardware.train_dtype=bfloat16"], "hardware-backend", "CPU trains in float32"),

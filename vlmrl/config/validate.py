@@ -238,6 +238,12 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if not p.use_dynamic_batch_size and gbs % (p.micro_batch_size * layout.dp):
         fail("batch-size", f"trainer.global_batch_size={gbs} is not a multiple of "
              f"micro_batch_size*dp = {p.micro_batch_size}*{layout.dp}")
+    if a.policy_loss == "gspo" and a.loss_agg_mode != "seq_mean_token_mean":
+        fail("gspo-agg", f"algo.policy_loss=gspo optimises a per-sequence objective: set "
+             f"algo.loss_agg_mode=seq_mean_token_mean (got {a.loss_agg_mode})")
+    if p.cp > 1 and (a.loss_agg_mode != "token_mean" or a.policy_loss != "ppo"):
+        fail("cp-loss", f"context parallel (parallel.cp={p.cp}) splits sequences over ranks: it supports "
+             f"algo.policy_loss=ppo with algo.loss_agg_mode=token_mean (got {a.policy_loss}, {a.loss_agg_mode})")
     if a.eps_clip <= 0 or a.eps_clip_high < a.eps_clip:
         fail("clip-range", f"need 0 < algo.eps_clip ({a.eps_clip}) <= algo.eps_clip_high ({a.eps_clip_high})")
     if cfg.data.min_pixels > cfg.data.max_pixels:
