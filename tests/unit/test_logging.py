@@ -1,0 +1,312 @@
+"""vlmrl.logging: metrics.jsonl, resume truncation, offline wandb, failures, plots, progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+
+import pytest
+
+from vlmrl.config.schema import LoggerConfig
+from vlmrl.logging import (
+    MetricsLogger,
+    Progress,
+    eval_key,
+    eval_mean_reward_key,
+    format_step_summary,
+    is_eval_accuracy_key,
+    read_metrics,
+    write_plots,
+)
+from vlmrl.logging import metrics as M
+from vlmrl.logging.wandb_logger import WANDB_ID_FILE, resolve_mode
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def cfg(**kw) -> LoggerConfig:
+    base = dict(name="test", wandb=False, wandb_mode="offline", progress=False, plots=False, jsonl=True)
+    base.update(kw)
+    return LoggerConfig(**base)
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """wandb strictly offline, every wandb directory inside tmp_path, no console capture."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        d = tmp_path / "wandb-home" / var.lower()
+        d.mkdir(parents=True)
+        monkeypatch.setenv(var, str(d))
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return tmp_path
+
+
+def step_metrics(step: int) -> dict[str, float]:
+    return {
+        M.ROLLOUT_RAW_REWARD: 0.1 * step,
+        M.ROLLOUT_RESPONSE_LEN_MEAN: 100.0 + step,
+        M.TRAIN_LOSS: 1.0 / (step + 1),
+        M.PERF_STEP_TIME: 2.5,
+    }
+
+
+# ---------------------------------------------------------------- jsonl
+def test_jsonl_lines_and_keys(tmp_path):
+    run_dir = tmp_path / "run"
+    with MetricsLogger(run_dir, cfg(), None, "r") as log:
+        for step in range(3):
+            log.log(step, step_metrics(step))
+        # flushed line by line: readable while the logger is still open
+        assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    for step, line in enumerate(lines):
+        row = json.loads(line)
+        assert set(row) == {"step", "time", *step_metrics(0)}
+        assert row["step"] == step and isinstance(row["time"], float)
+        assert row[M.ROLLOUT_RAW_REWARD] == pytest.approx(0.1 * step)
+    assert read_metrics(run_dir) == read_metrics(run_dir / "metrics.jsonl")  # a directory works too
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_scalar_objects_become_numbers_and_reserved_keys_raise(tmp_path):
+    class Scalar:  # stands in for a numpy / torch 0-d value
+        def __init__(self, v):
+            self.v = v
+
+        def item(self):
+            return self.v
+
+    with MetricsLogger(tmp_path, cfg()) as log:
+        log.log(Scalar(4), {M.TRAIN_GRAD_NORM: Scalar(0.5)})
+        with pytest.raises(ValueError, match="reserved"):
+            log.log(5, {"step": 1.0})
+    (row,) = read_metrics(tmp_path)
+    assert row["step"] == 4 and row[M.TRAIN_GRAD_NORM] == 0.5
+
+
+def test_metric_key_constants():
+    assert M.TRAIN_ROLLOUT_LOGPROB_ABS_DIFF == "train/train_rollout_logprob_abs_diff"
+    assert M.PERF_TOKENS_PER_GPU_PER_SEC == "perf/tokens_per_gpu_per_sec"
+    assert eval_key("geo3k") == "eval/geo3k"
+    assert eval_mean_reward_key("hiyouga/geometry3k") == "eval/hiyouga_geometry3k/mean_reward"
+    assert is_eval_accuracy_key("eval/geo3k")
+    assert not is_eval_accuracy_key("eval/geo3k/mean_reward")
+    assert not is_eval_accuracy_key("eval/") and not is_eval_accuracy_key(M.TRAIN_LOSS)
+
+
+# ---------------------------------------------------------------- resume
+def test_resume_drops_steps_after_the_checkpoint(tmp_path):
+    with MetricsLogger(tmp_path, cfg()) as log:
+        for step in range(6):
+            log.log(step, step_metrics(step))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "time": 1.0, "rollout/raw_rew')  # torn by a kill
+    # the job resumes from the checkpoint of step 3 and logs steps 4 and 5 again
+    with MetricsLogger(tmp_path, cfg(), resume_step=3) as log:
+        assert [r["step"] for r in log.rows] == [0, 1, 2, 3]
+        assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+        for step in (4, 5):
+            log.log(step, {M.ROLLOUT_RAW_REWARD: -1.0})
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[4][M.ROLLOUT_RAW_REWARD] == -1.0
+    assert all(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    # resume_step=-1 starts the run directory afresh; None appends
+    with MetricsLogger(tmp_path, cfg(), resume_step=-1) as log:
+        log.log(0, {M.TRAIN_LOSS: 0.0})
+    with MetricsLogger(tmp_path, cfg()) as log:
+        log.log(1, {M.TRAIN_LOSS: 0.0})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+
+
+def test_jsonl_off_writes_no_file(tmp_path):
+    with MetricsLogger(tmp_path, cfg(jsonl=False)) as log:
+        log.log(0, {M.TRAIN_LOSS: 1.0})
+        assert len(log.rows) == 1
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- wandb
+def test_resolve_mode(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert resolve_mode(None) == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_mode(None) == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_mode(None) == "disabled"
+    assert resolve_mode("offline") == "offline"
+
+
+def test_wandb_offline_run_lives_in_run_dir_and_id_is_stable(wandb_env):
+    run_dir = wandb_env / "run"
+    full = {"run_name": "r", "logger": {"project": "p"}}
+    with MetricsLogger(run_dir, cfg(wandb=True, project="vlmrl-test"), full, "r") as log:
+        assert log.wandb is not None and log.wandb.active and log.wandb.mode == "offline"
+        log.log(1, step_metrics(1))
+        log.log(2, step_metrics(2))
+    run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
+    assert run_id
+    offline = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(offline) == 1 and any(offline[0].glob("*.wandb"))
+
+    with MetricsLogger(run_dir, cfg(wandb=True, project="vlmrl-test"), full, "r", resume_step=2) as log:
+        assert log.wandb.run_id == run_id
+        log.log(3, step_metrics(3))
+    assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
+    runs = list((run_dir / "wandb").glob("offline-run-*"))  # wandb adds "-1" within the same second
+    assert len(runs) == 2 and all(run_id in p.name for p in runs)
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_wandb_init_failure_keeps_jsonl(wandb_env):
+    run_dir = wandb_env / "run"
+    with pytest.warns(RuntimeWarning, match="wandb init failed"):
+        log = MetricsLogger(run_dir, cfg(wandb=True, wandb_mode="not-a-mode"))
+    with log, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert not log.wandb.active
+        for step in range(3):
+            log.log(step, step_metrics(step))
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
+
+
+def test_wandb_log_failure_warns_once_and_keeps_jsonl(wandb_env, monkeypatch):
+    import wandb
+
+    class BrokenRun:
+        calls = 0
+
+        def log(self, metrics, step):
+            BrokenRun.calls += 1
+            raise ConnectionError("service died")
+
+        def finish(self):  # pragma: no cover - never reached once failed
+            raise AssertionError
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: BrokenRun())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with MetricsLogger(wandb_env / "run", cfg(wandb=True)) as log:
+            for step in range(4):
+                log.log(step, step_metrics(step))
+    assert len([w for w in caught if "wandb log failed" in str(w.message)]) == 1
+    assert BrokenRun.calls == 1
+    assert [r["step"] for r in read_metrics(wandb_env / "run")] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- plots
+def eval_rows(n_steps: int = 30) -> list[dict]:
+    rows = []
+    for step in range(n_steps):
+        rows.append({"step": step, "time": 0.0, **step_metrics(step)})
+        if step % 10 == 0:
+            rows.append(
+                {
+                    "step": step,
+                    "time": 0.0,
+                    "eval/geo3k": 0.2 + step / 100,
+                    "eval/geo3k/mean_reward": 0.3,
+                    "eval/synthetic": 0.5,
+                    M.TRAIN_LOSS: float("nan"),
+                }
+            )
+    return rows
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1024, path
+
+
+def test_write_plots_are_valid_pngs(tmp_path):
+    out = tmp_path / "plots"
+    written = write_plots(eval_rows(), out)
+    assert sorted(p.name for p in written) == ["eval_accuracy.png", "response_length.png", "reward.png"]
+    for p in written:
+        assert p.parent == out
+        assert_png(p)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)  # no temp files left
+
+
+def test_write_plots_skips_plots_without_data(tmp_path):
+    rows = [{"step": s, M.ROLLOUT_RAW_REWARD: 0.5} for s in range(3)] + [
+        {"step": 3, "eval/x/mean_reward": 1.0}
+    ]
+    written = write_plots(rows, tmp_path)
+    assert [p.name for p in written] == ["reward.png"]
+    assert write_plots([], tmp_path / "empty") == []
+
+
+def test_logger_refreshes_plots_when_asked(tmp_path):
+    with MetricsLogger(tmp_path, cfg(plots=True)) as log:
+        for step in range(5):
+            log.log(step, step_metrics(step))
+        assert not (tmp_path / "plots").exists()
+        log.log(5, {eval_key("geo3k"): 0.4, eval_mean_reward_key("geo3k"): 0.45}, refresh_plots=True)
+        for name in ("reward.png", "eval_accuracy.png", "response_length.png"):
+            assert_png(tmp_path / "plots" / name)
+
+
+# ---------------------------------------------------------------- progress
+def run_phases(progress: Progress) -> None:
+    with progress.task("rollout", total=8) as t:
+        t.advance(4)
+        t.drop()
+        t.advance(4)
+        with progress.task("eval", total=None) as e:  # nested, unknown total
+            e.advance(3)
+    with progress.task("train", total=2) as t:
+        t.advance()
+        t.advance()
+    assert t.completed == 2 and t.elapsed >= 0
+
+
+def test_progress_disabled_prints_nothing(capsys):
+    progress = Progress(enabled=False)
+    run_phases(progress)
+    assert capsys.readouterr().out == ""
+    text = progress.print_step_summary(3, step_metrics(3))
+    assert capsys.readouterr().out.strip() == text  # a plain line
+
+
+def test_progress_not_a_terminal_prints_one_line_per_phase():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    run_phases(Progress(enabled=True, console=Console(file=buf, force_terminal=False)))
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith("rollout: 8/8") and "1 groups dropped" in lines[1]
+    assert lines[0].startswith("eval: 3/?")
+
+
+def test_progress_live_bars_on_a_terminal():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    progress = Progress(enabled=True, console=Console(file=buf, force_terminal=True, width=100))
+    assert progress.live
+    run_phases(progress)
+    assert progress._bar is None  # the live display stopped after the last phase
+    progress.print_step_summary(1, step_metrics(1))
+    assert "step 1" in buf.getvalue()
+
+
+def test_step_summary_line():
+    metrics = {
+        **step_metrics(2),
+        "eval/geo3k": 0.5,
+        "eval/geo3k/mean_reward": 0.6,
+        M.TRAIN_PPO_KL: float("nan"),
+        M.PERF_TOKENS_PER_GPU_PER_SEC: 123456.7,
+    }
+    line = format_step_summary(2, metrics)
+    assert line.startswith("step 2 | reward 0.2 | eval/geo3k 0.5 | len 102")
+    assert "mean_reward" not in line and "kl" not in line and "tok/s/gpu 123457" in line
+    assert "\n" not in line

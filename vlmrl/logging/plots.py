@@ -1,0 +1,123 @@
+"""PNG plots of a run's metrics: reward, eval accuracy and response length against step.
+
+Figures are drawn with matplotlib's object API on an Agg canvas (no pyplot, no global
+backend switch, no display needed) and written through a temporary file plus
+os.replace, so a reader never sees half a PNG. matplotlib is imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .metrics import (
+    EVAL_PREFIX,
+    ROLLOUT_RAW_REWARD,
+    ROLLOUT_RESPONSE_LEN_MEAN,
+    finite,
+    is_eval_accuracy_key,
+)
+
+REWARD_PNG = "reward.png"
+EVAL_ACCURACY_PNG = "eval_accuracy.png"
+RESPONSE_LENGTH_PNG = "response_length.png"
+
+Series = tuple[list[int], list[float]]
+
+
+def series(rows: Iterable[dict[str, Any]], key: str) -> Series:
+    """(steps, values) of one key, sorted by step; the last value wins when a step repeats."""
+    by_step: dict[int, float] = {}
+    for row in rows:
+        value = row.get(key)
+        step = row.get("step")
+        if isinstance(step, int) and finite(value):
+            by_step[step] = float(value)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over at most `window` values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def write_plots(
+    metrics_rows: Iterable[dict[str, Any]],
+    out_dir: str | os.PathLike[str],
+    eval_key_prefix: str = EVAL_PREFIX,
+) -> list[Path]:
+    """Write reward.png, eval_accuracy.png and response_length.png into `out_dir`.
+
+    A plot whose metric has no finite value yet is skipped (and not written). Eval
+    accuracy has one line per `eval/<name>` key; sub-metrics (`eval/<name>/...`) are left
+    out. Returns the paths written.
+    """
+    rows = list(metrics_rows)
+    out = Path(out_dir)
+    written: list[Path] = []
+
+    steps, reward = series(rows, ROLLOUT_RAW_REWARD)
+    if steps:
+        window = max(1, len(steps) // 20)
+        lines = [("raw reward", steps, reward, {"alpha": 0.4 if window > 1 else 1.0})]
+        if window > 1:
+            lines.append((f"moving average ({window} steps)", steps, moving_average(reward, window), {}))
+        written.append(_save(out / REWARD_PNG, "Rollout reward", "mean reward", lines))
+
+    eval_keys = sorted({k for row in rows for k in row if is_eval_accuracy_key(k, eval_key_prefix)})
+    eval_lines = []
+    for key in eval_keys:
+        s, v = series(rows, key)
+        if s:
+            eval_lines.append((key[len(eval_key_prefix) :], s, v, {"marker": "o"}))
+    if eval_lines:
+        written.append(_save(out / EVAL_ACCURACY_PNG, "Eval accuracy", "accuracy", eval_lines))
+
+    steps, length = series(rows, ROLLOUT_RESPONSE_LEN_MEAN)
+    if steps:
+        written.append(
+            _save(
+                out / RESPONSE_LENGTH_PNG,
+                "Response length",
+                "mean tokens",
+                [("mean response length", steps, length, {})],
+            )
+        )
+    return written
+
+
+def _save(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float], dict]]) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, steps, values, style in lines:
+        if len(steps) == 1:
+            style = {**style, "marker": style.get("marker", "o")}
+        ax.plot(steps, values, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if len(lines) > 1 or lines[0][0]:
+        ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
