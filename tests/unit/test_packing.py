@@ -1,0 +1,170 @@
+"""THD packing: per-sample M-RoPE positions, cu_seqlens, CP zigzag split, unpack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmrl.training.packing import (
+    PackSample,
+    cp_merge,
+    mrope_position_ids,
+    pack,
+    split_for_cp,
+    unpack,
+    zigzag_index,
+)
+
+IMG, START, END = 5, 3, 4
+MERGE = 2
+
+
+def _sample(prefix: int, grids: list[list[int]], suffix: int, seed: int) -> PackSample:
+    g = torch.Generator().manual_seed(seed)
+    ids: list[int] = torch.randint(10, 100, (prefix,), generator=g).tolist()
+    for t, h, w in grids:
+        ids += [START] + [IMG] * (t * h * w // MERGE**2) + [END]
+        ids += torch.randint(10, 100, (2,), generator=g).tolist()
+    ids += torch.randint(10, 100, (suffix,), generator=g).tolist()
+    mask = [0.0] * (len(ids) - suffix) + [1.0] * suffix
+    return PackSample(torch.tensor(ids), torch.tensor(mask), torch.tensor(grids).view(-1, 3) if grids else None)
+
+
+def test_text_only_positions_are_arange():
+    pos = mrope_position_ids(torch.arange(7) + 10, None, image_token_id=IMG, spatial_merge_size=MERGE)
+    assert torch.equal(pos, torch.arange(7).expand(3, -1))
+
+
+def test_image_positions_by_hand():
+    # 2 text, image grid (1, 4, 6) -> 2x3 merged tokens, 2 text
+    ids = torch.tensor([10, 11] + [IMG] * 6 + [12, 13])
+    pos = mrope_position_ids(ids, torch.tensor([[1, 4, 6]]), image_token_id=IMG, spatial_merge_size=MERGE)
+    assert pos[:, :2].tolist() == [[0, 1]] * 3
+    assert pos[0, 2:8].tolist() == [2] * 6  # temporal
+    assert pos[1, 2:8].tolist() == [2, 2, 2, 3, 3, 3]  # rows
+    assert pos[2, 2:8].tolist() == [2, 3, 4, 2, 3, 4]  # columns
+    # text resumes at image start + max(h, w) / merge = 2 + 3
+    assert pos[:, 8:].tolist() == [[5, 6]] * 3
+
+
+def test_positions_match_hf_get_rope_index():
+    from types import SimpleNamespace
+
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    cfg = Qwen2_5_VLConfig(vision_config=dict(spatial_merge_size=MERGE), image_token_id=IMG,
+                           vision_start_token_id=START, vision_end_token_id=END)
+    fake = SimpleNamespace(config=cfg)
+    fake.get_vision_position_ids = lambda *a, **k: Qwen2_5_VLModel.get_vision_position_ids(fake, *a, **k)
+    for s in (_sample(3, [[1, 4, 4], [1, 6, 4]], 5, 0), _sample(1, [[1, 2, 8]], 3, 1), _sample(4, [], 2, 2)):
+        ids = s.input_ids.view(1, -1)
+        ours = mrope_position_ids(s.input_ids, s.image_grid_thw, image_token_id=IMG, spatial_merge_size=MERGE)
+        if s.image_grid_thw is None:
+            assert torch.equal(ours, torch.arange(ids.shape[1]).expand(3, -1))
+            continue
+        mm = (ids == IMG).int()
+        ref, _ = Qwen2_5_VLModel.get_rope_index(fake, ids, mm_token_type_ids=mm, image_grid_thw=s.image_grid_thw)
+        assert torch.equal(ours, ref[:, 0])
+
+
+def test_pack_layout_and_per_sample_positions():
+    samples = [_sample(3, [[1, 4, 4]], 4, 0), _sample(2, [], 3, 1), _sample(1, [[1, 6, 4], [1, 2, 2]], 2, 2)]
+    p = pack(samples, image_token_id=IMG, spatial_merge_size=MERGE)
+    lens = [len(s.input_ids) for s in samples]
+    assert p.seq_lens == lens and p.padded_lens == lens
+    assert p.cu_seqlens.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
+    assert torch.equal(p.cu_seqlens, p.cu_seqlens_padded) and p.cu_seqlens.dtype == torch.int32
+    assert p.num_tokens == sum(lens)
+    assert torch.equal(p.input_ids, torch.cat([s.input_ids for s in samples]))
+    assert p.images_per_sample == [1, 0, 2]
+    assert p.image_tokens_per_sample == [4, 0, 7]
+    assert p.image_grid_thw.tolist() == [[1, 4, 4], [1, 6, 4], [1, 2, 2]]
+    for i, s in enumerate(samples):  # positions restart in every sample
+        a, b = p.cu_seqlens[i], p.cu_seqlens[i + 1]
+        single = mrope_position_ids(s.input_ids, s.image_grid_thw, image_token_id=IMG, spatial_merge_size=MERGE)
+        assert torch.equal(p.position_ids[:, a:b], single)
+        assert torch.equal(p.loss_mask[a:b], s.loss_mask)
+    parts = unpack(p.input_ids, p)
+    assert [x.tolist() for x in parts] == [s.input_ids.tolist() for s in samples]
+
+
+def test_pack_pads_each_sample_to_multiple():
+    samples = [_sample(3, [[1, 4, 4]], 4, 0), _sample(2, [], 3, 1)]
+    p = pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=4, pad_token_id=0)
+    assert all(n % 4 == 0 for n in p.padded_lens)
+    assert p.cu_seqlens_padded[-1] == sum(p.padded_lens)
+    for i, s in enumerate(samples):
+        a = int(p.cu_seqlens_padded[i])
+        n, padded = p.seq_lens[i], p.padded_lens[i]
+        assert torch.equal(p.input_ids[a:a + n], s.input_ids)
+        assert (p.input_ids[a + n:a + padded] == 0).all()
+        assert (p.loss_mask[a + n:a + padded] == 0).all()
+        # padding continues text positions
+        pad_pos = p.position_ids[:, a + n:a + padded]
+        assert (pad_pos[0] == pad_pos[1]).all() and (pad_pos[0] > p.position_ids[:, a:a + n].max()).all()
+    assert [x.tolist() for x in unpack(p.input_ids, p)] == [s.input_ids.tolist() for s in samples]
+
+
+def test_image_token_count_mismatch_names_the_sample():
+    good = _sample(2, [[1, 4, 4]], 2, 0)
+    bad = _sample(2, [[1, 4, 4]], 2, 1)
+    bad.image_grid_thw = torch.tensor([[1, 6, 4]])
+    with pytest.raises(ValueError, match="sample 1"):
+        pack([good, bad], image_token_id=IMG, spatial_merge_size=MERGE)
+
+
+def test_check_image_tokens_names_the_sample():
+    from dataclasses import replace
+
+    from vlmrl.training.packing import check_image_tokens
+
+    p = pack([_sample(2, [[1, 4, 4]], 2, 0), _sample(2, [[1, 6, 4]], 2, 1)], image_token_id=IMG,
+             spatial_merge_size=MERGE)
+    check_image_tokens(p)
+    bad = replace(p, image_tokens_per_sample=[4, 5])
+    with pytest.raises(ValueError, match="sample 1: 6 image tokens"):
+        check_image_tokens(bad)
+
+
+def test_zigzag_index_chunks():
+    # one sample of 8 tokens, cp=2: chunks of 2; rank 0 -> chunks 0,3; rank 1 -> chunks 1,2
+    assert zigzag_index([8], 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_index([8], 2, 1).tolist() == [2, 3, 4, 5]
+    # two samples, second offset by 8
+    assert zigzag_index([8, 4], 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+    with pytest.raises(ValueError, match="multiple of 2\\*cp"):
+        zigzag_index([6], 2, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_cp_split_carries_positions_and_images(cp):
+    samples = [_sample(3, [[1, 4, 4]], 5, 0), _sample(2, [], 3, 1), _sample(1, [[1, 6, 4]], 2, 2)]
+    whole = pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=2 * cp)
+    shares = [split_for_cp(whole, cp, r) for r in range(cp)]
+    seen = torch.cat([s.token_index for s in shares])
+    assert sorted(seen.tolist()) == list(range(whole.num_tokens))  # a partition of the tokens
+    image_rows = torch.arange(whole.num_image_tokens)
+    for r, s in enumerate(shares):
+        assert s.cp_size == cp and s.cp_rank == r
+        assert s.num_tokens == whole.num_tokens // cp
+        idx = zigzag_index(whole.padded_lens, cp, r)
+        assert torch.equal(s.token_index, idx)
+        assert torch.equal(s.input_ids, whole.input_ids[idx])
+        assert torch.equal(s.position_ids, whole.position_ids[:, idx])
+        assert torch.equal(s.loss_mask, whole.loss_mask[idx])
+        assert torch.equal(s.local_cu_seqlens, whole.cu_seqlens_padded // cp)
+        # the image feature rows of this rank's placeholders, in order of appearance
+        ordinal = torch.cumsum((whole.input_ids == IMG).long(), 0) - 1
+        expect = image_rows[ordinal[idx][s.input_ids == IMG]]
+        assert torch.equal(s.image_token_index, expect)
+        assert s.image_token_index.numel() == int((s.input_ids == IMG).sum())
+    merged = cp_merge([s.position_ids for s in shares], whole.padded_lens, dim=1)
+    assert torch.equal(merged, whole.position_ids)
+    merged_ids = cp_merge([s.input_ids for s in shares], whole.padded_lens)
+    assert torch.equal(merged_ids, whole.input_ids)
+
+
+def test_cp_split_of_one_is_identity():
+    whole = pack([_sample(2, [], 3, 0)], image_token_id=IMG, spatial_merge_size=MERGE)
+    assert split_for_cp(whole, 1, 0) is whole

@@ -1,0 +1,231 @@
+"""Core attention for packed (THD) sequences: M-RoPE, then torch SDPA / flash varlen.
+
+A layer-spec submodule in the `core_attention` slot of Megatron's `SelfAttention`.
+Stock megatron-core's local `DotProductAttention` rejects packed sequences and is slow;
+this module takes the THD tensors Megatron hands it ([t, heads, head_dim] when
+`packed_seq_params.qkv_format == "thd"`) and keeps attention inside each sample:
+
+- M-RoPE: the per-token cos/sin tables ride on `VLPackedSeqParams` (computed once per
+  forward from the packed [3, T] positions); Megatron's own rotary path gets no
+  embedding, since its THD rope indexes a 1D table per sequence and cannot express
+  per-token 3D positions.
+- backend "sdpa": `varlen_attn` (flash) on CUDA in half precision, else one causal
+  `scaled_dot_product_attention` call per sample (exact in fp32 on CPU).
+- backend "eager": explicit masked softmax, for debugging.
+- context parallelism: the rank's two zigzag chunks of each sample attend to the keys and
+  values of the whole sample, all-gathered over the CP group (backward: reduce), with
+  the causal mask taken from global token positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from .mrope import apply_rope
+
+BACKENDS = ("sdpa", "eager")
+
+
+@dataclass
+class VLPackedSeqParams(PackedSeqParams):
+    """PackedSeqParams plus the per-token rotary tables of the tokens held on this rank.
+
+    cu_seqlens_q/kv: cumulative real lengths; cu_seqlens_q/kv_padded: sample offsets of the
+    whole (un-CP-split) packed sequence. Local offsets are cu_seqlens_*_padded // cp.
+    """
+
+    rope_cos: Tensor | None = None  # [T_local, rotary_dim]
+    rope_sin: Tensor | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def offsets(self) -> Tensor:
+        padded = self.cu_seqlens_q_padded if self.cu_seqlens_q_padded is not None else self.cu_seqlens_q
+        return padded
+
+    def layout(self) -> dict[str, Any]:
+        """Host-side layout of the samples (computed once per forward, shared by layers)."""
+        if "layout" not in self._cache:
+            whole = [int(x) for x in self.offsets.tolist()]
+            lens = [b - a for a, b in zip(whole[:-1], whole[1:])]
+            self._cache["layout"] = {"whole_offsets": whole, "lens": lens,
+                                     "local_offsets": [x // self.cp_size for x in whole]}
+        return self._cache["layout"]
+
+
+class _GatherFromContextParallel(torch.autograd.Function):
+    """[t, ...] on each CP rank -> [cp, t, ...] everywhere; backward sums and keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        group = ctx.group
+        rank = dist.get_rank(group)
+        grad = grad.contiguous()
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty_like(grad[rank])
+            dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=group)
+            return out, None
+        dist.all_reduce(grad, group=group)  # gloo has no reduce_scatter
+        return grad[rank].clone(), None
+
+
+def gather_from_context_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _GatherFromContextParallel.apply(x, group)
+
+
+def _cp_key_index(layout: dict[str, Any], cp: int, t_local: int, device: torch.device) -> Tensor:
+    """Index into the flattened gathered [cp * t_local] tokens giving whole-sequence order."""
+    idx = []
+    for local_off, length in zip(layout["local_offsets"], layout["lens"]):
+        chunk = length // (2 * cp)
+        for c in range(2 * cp):
+            rank, half = (c, 0) if c < cp else (2 * cp - 1 - c, 1)
+            start = rank * t_local + local_off + half * chunk
+            idx.append(torch.arange(start, start + chunk))
+    return torch.cat(idx).to(device)
+
+
+class PackedSelfAttentionCore(MegatronModule):
+    """`core_attention` for THD-packed samples (see the module docstring)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", cp_comm_type: str | None = None,
+                 softmax_scale: float | None = None, pg_collection: Any = None, backend: str = "sdpa",
+                 **_: Any) -> None:
+        super().__init__(config=config)
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+        self.backend = backend
+        self.layer_number = layer_number
+        self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+        self.dropout_p = config.attention_dropout
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+
+    # ------------------------------------------------------------------ kernels
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """q [Lq, h, d], k/v [Lk, g, d] -> [Lq, h, d]."""
+        dropout = self.dropout_p if self.training else 0.0
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        if self.backend == "eager":
+            rep = qh.shape[1] // kh.shape[1]
+            kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+            scores = (qh @ kh.transpose(-1, -2)).float() * self.softmax_scale
+            if causal:
+                mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(vh.dtype)
+            if dropout:
+                probs = F.dropout(probs, dropout)
+            out = probs @ vh
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=causal and mask is None, scale=self.softmax_scale,
+                                                 enable_gqa=kh.shape[1] != qh.shape[1])
+        return out.squeeze(0).transpose(0, 1)
+
+    def _varlen(self, q: Tensor, k: Tensor, v: Tensor, params: VLPackedSeqParams) -> Tensor | None:
+        """Flash varlen attention (CUDA, half precision, no CP); None when unavailable."""
+        if self.backend != "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if self.dropout_p and self.training:
+            return None
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            return None
+        cu = params.offsets.to(device=q.device, dtype=torch.int32)
+        max_len = max(params.layout()["lens"])
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale,
+                           window_size=(-1, 0) if self.causal else (-1, -1),
+                           enable_gqa=k.shape[1] != q.shape[1])
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported")
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return self._forward_batched(query, key, value)
+        p = packed_seq_params
+        if isinstance(p, VLPackedSeqParams) and p.rope_cos is not None:
+            query = apply_rope(query, p.rope_cos, p.rope_sin)
+            key = apply_rope(key, p.rope_cos, p.rope_sin)
+        cp = p.cp_size if isinstance(p, VLPackedSeqParams) else 1
+        if cp > 1:
+            out = self._forward_cp(query, key, value, p)
+        else:
+            out = self._varlen(query, key, value, p) if isinstance(p, VLPackedSeqParams) else None
+            if out is None:
+                lay = p.layout() if isinstance(p, VLPackedSeqParams) else _plain_layout(p)
+                outs = []
+                for a, n in zip(lay["local_offsets"], lay["lens"]):
+                    outs.append(self._sdpa(query[a:a + n], key[a:a + n], value[a:a + n], None, self.causal))
+                out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out.reshape(out.shape[0], -1)
+
+    def _forward_cp(self, q: Tensor, k: Tensor, v: Tensor, p: VLPackedSeqParams) -> Tensor:
+        group = p.cp_group if p.cp_group is not None else self.cp_group
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group()
+        cp, rank = p.cp_size, p.cp_rank
+        lay = p.layout()
+        t_local = q.shape[0]
+        kv = gather_from_context_parallel(torch.stack([k, v]), group)  # [cp, 2, t, g, d]
+        kv = kv.transpose(0, 1).flatten(1, 2)  # [2, cp*t, g, d]
+        if "cp_key_index" not in p._cache:
+            p._cache["cp_key_index"] = _cp_key_index(lay, cp, t_local, q.device)
+        kv = kv.index_select(1, p._cache["cp_key_index"])  # whole-sequence order
+        k_all, v_all = kv[0], kv[1]
+        outs = []
+        for whole_off, local_off, length in zip(lay["whole_offsets"], lay["local_offsets"], lay["lens"]):
+            chunk = length // (2 * cp)
+            qpos = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)])
+            qpos = qpos.to(q.device)
+            mask = None
+            if self.causal:
+                mask = torch.arange(length, device=q.device).view(1, -1) <= qpos.view(-1, 1)
+            n_local = 2 * chunk
+            outs.append(self._sdpa(q[local_off:local_off + n_local], k_all[whole_off:whole_off + length],
+                                   v_all[whole_off:whole_off + length], mask, False))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _forward_batched(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """[s, b, h, d] tensors, one sequence per batch row (no rope: positions unknown here)."""
+        outs = [self._sdpa(q[:, b], k[:, b], v[:, b], None, self.causal) for b in range(q.shape[1])]
+        out = torch.stack(outs, dim=1)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _plain_layout(p: PackedSeqParams) -> dict[str, Any]:
+    cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
+    whole = [int(x) for x in cu.tolist()]
+    lens = [b - a for a, b in zip(whole[:-1], whole[1:])]
+    return {"whole_offsets": whole, "lens": lens, "local_offsets": whole}

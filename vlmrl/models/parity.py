@@ -1,0 +1,413 @@
+"""Parity of the Megatron Qwen-VL model with HF transformers and across parallel layouts.
+
+One check = one random-weight HF model of the configured architecture, one packed batch
+of samples with images of different grids, and one forward + backward pass of a simple
+loss (mean next-token cross entropy over the loss-masked tokens):
+
+- HF reference: `Qwen2_5_VLForConditionalGeneration`, one sample at a time, fp32;
+- "single": the Megatron model without model parallelism (run as data-parallel replicas
+  in the same processes as the layout under test);
+- each layout under test (e.g. tp=2, pp=2, cp=2), in `tp*pp*cp` gloo processes.
+
+Logits are gathered to the full vocabulary and the whole (un-CP-split) sequence;
+gradients are gathered back to HF names (`adapters.iter_hf_weights(grads=True)`).
+
+CLI (Hydra overrides, composed with vlmrl's config; checks the configured layout):
+
+    python -m vlmrl.models.parity model=tiny parallel.tp=2
+    python -m vlmrl.models.parity model=qwen2_5_vl_3b model.lm.num_layers=2 model.vision.depth=2 parallel.pp=2
+
+prints a table of max |diff| figures with PASS/FAIL against the bounds and exits non-zero
+on a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config.schema import ModelConfig, ParallelConfig
+
+# bounds (fp32, CPU)
+LOGITS_VS_HF = 1e-4
+LOGITS_VS_SINGLE = 1e-5
+GRADS_VS_SINGLE = 1e-5
+GRADS_VS_HF = 1e-4
+
+
+@dataclass
+class ParityBatch:
+    """The packed samples (whole sequence), their images and loss targets."""
+
+    samples: list[Any]  # PackSample
+    pixel_values: Any  # [sum(t*h*w), C*T*P*P]
+    image_grid_thw: Any  # [n_images, 3]
+    targets: Any  # [T] next-token targets (whole packed sequence, unpadded layout)
+    seed: int
+
+
+@dataclass
+class RunResult:
+    name: str
+    logits: list[Any] = field(default_factory=list)  # per sample [L_i, V]
+    grads: dict[str, Any] = field(default_factory=dict)  # HF checkpoint names
+    # max |HF weights - weights exported back from the loaded Megatron model| (0: bitwise)
+    roundtrip: float = float("nan")
+    buckets: int = 0  # buckets of 256 KiB the weights came in (iter_hf_weights)
+
+
+def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (1, 6, 4)),
+               text_only: int = 1) -> ParityBatch:
+    """Samples with one image each (grids given) plus `text_only` samples without images."""
+    import torch
+
+    from ..training.packing import PackSample
+
+    v, lm = model.vision, model.lm
+    g = torch.Generator().manual_seed(seed)
+    # text ids above every special id (image, video, vision start/end)
+    low = max(model.image_token_id + 1, model.vision_start_token_id, model.vision_end_token_id) + 1
+    if low >= lm.vocab_size:
+        raise ValueError(f"no ordinary token ids above the special ids in a vocabulary of {lm.vocab_size}")
+
+    def text(n: int) -> list[int]:
+        return torch.randint(low, lm.vocab_size, (n,), generator=g).tolist()
+
+    samples = []
+    merge = v.spatial_merge_size
+    for k, (t, h, w) in enumerate(grids):
+        ids = text(3 + k) + [model.vision_start_token_id] + [model.image_token_id] * (t * h * w // merge**2) \
+            + [model.vision_end_token_id] + text(6 + 2 * k)
+        mask = [0.0] * (len(ids) - 5) + [1.0] * 5
+        samples.append(PackSample(torch.tensor(ids), torch.tensor(mask), torch.tensor([[t, h, w]])))
+    for k in range(text_only):
+        ids = text(7 + k)
+        samples.append(PackSample(torch.tensor(ids), torch.ones(len(ids)), None))
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    n_patches = sum(t * h * w for t, h, w in grids)
+    pixel_values = torch.randn(n_patches, patch, generator=g)
+    total = sum(len(s.input_ids) for s in samples)
+    targets = torch.randint(0, lm.vocab_size, (total,), generator=g)
+    grid = torch.tensor([list(x) for x in grids]).view(-1, 3)
+    return ParityBatch(samples, pixel_values, grid, targets, seed)
+
+
+def make_hf_model(model: ModelConfig, *, seed: int = 0) -> Any:
+    """A random-weight HF model of `model`'s architecture, fp32, eval mode, SDPA."""
+    import torch
+
+    from .bridge import hf_config
+
+    if model.family != "qwen2_5_vl":
+        raise NotImplementedError(f"parity for family {model.family!r} is not wired yet")
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = hf_config(model)
+    cfg._attn_implementation = "sdpa"
+    net = Qwen2_5_VLForConditionalGeneration(cfg).float().eval()
+    # HF initialises norm weights to one and biases to zero: a swapped norm or a misplaced
+    # bias would go unnoticed. Perturb every 1-D parameter.
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return net
+
+
+def _loss(logits: Any, targets: Any, mask: Any, total: float) -> Any:
+    import torch.nn.functional as F
+
+    per_token = F.cross_entropy(logits.float(), targets, reduction="none")
+    return (per_token * mask).sum() / total
+
+
+def hf_reference(net: Any, batch: ParityBatch, model: ModelConfig) -> RunResult:
+    """HF logits per sample and gradients (checkpoint names) of the parity loss."""
+    import torch
+
+    from . import names
+
+    net.zero_grad(set_to_none=True)
+    logits, masks = [], []
+    start = 0
+    img = 0
+    patch_start = 0
+    for s in batch.samples:
+        ids = s.input_ids.view(1, -1)
+        kwargs: dict[str, Any] = {}
+        if s.image_grid_thw is not None:
+            grid = s.image_grid_thw
+            n_patch = int(grid.prod(-1).sum())
+            kwargs = dict(pixel_values=batch.pixel_values[patch_start:patch_start + n_patch], image_grid_thw=grid,
+                          mm_token_type_ids=(ids == model.image_token_id).int())
+            patch_start += n_patch
+            img += len(grid)
+        out = net(input_ids=ids, use_cache=False, **kwargs)
+        logits.append(out.logits[0])
+        masks.append(s.loss_mask)
+        start += ids.shape[1]
+    mask = torch.cat(masks)
+    total = float(mask.sum())
+    loss = _loss(torch.cat(logits), batch.targets, mask, total)
+    loss.backward()
+    grads = {names.to_checkpoint_name(n): p.grad.detach().clone() for n, p in net.named_parameters()}
+    return RunResult("hf", [x.detach() for x in logits], grads)
+
+
+# --------------------------------------------------------------------------- megatron side
+def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[str, Any], batch: ParityBatch,
+                 *, name: str, attention_backend: str = "sdpa") -> RunResult | None:
+    """Forward + backward of the parity loss under `parallel`; the result on global rank 0.
+
+    Collective over the whole default process group (the layout must cover it).
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ..training import compat, packing
+    from ..training.parallel_state import destroy_parallel_state, init_parallel_state
+    from . import adapters
+    from .bridge import build_model
+
+    info = init_parallel_state(parallel, seed=batch.seed)
+    try:
+        chunks = build_model(model, parallel, params_dtype=torch.float32, attention_backend=attention_backend,
+                             megatron_overrides={"calculate_per_token_loss": True})
+        adapters.load_hf_weights(chunks, model, hf_state)
+        exported = {k: v.cpu() for k, v in adapters.export_hf_state_dict(chunks, model).items()}
+        expected = dict(adapters.canonical(hf_state))
+        if model.lm.tie_word_embeddings:
+            expected.pop("lm_head.weight", None)
+        roundtrip = max_abs_diff(exported, expected)
+        # the same weights in small buckets (weight sync): same names, same tensors
+        bucketed: dict[str, Any] = {}
+        buckets = 0
+        for bucket in adapters.iter_hf_weights(chunks, model, bucket_bytes=256 << 10):
+            buckets += 1
+            bucketed.update((n, t.cpu()) for n, t in bucket)
+        roundtrip = max(roundtrip, max_abs_diff(bucketed, expected))
+        for c in chunks:
+            c.train()  # dropout is off; train mode exercises the training code paths
+        cp = info.cp_size
+        multiple = (2 * cp if cp > 1 else 1) * (info.tp_size if parallel.sequence_parallel else 1)
+        whole = packing.pack(batch.samples, image_token_id=model.image_token_id,
+                             spatial_merge_size=model.vision.spatial_merge_size, pad_multiple=multiple)
+        local = packing.split_for_cp(whole, cp, info.cp_rank)
+        # targets/mask in the padded layout of `whole`, then this rank's share
+        targets = torch.zeros(whole.num_tokens, dtype=torch.long)
+        mask = torch.zeros(whole.num_tokens)
+        off = 0
+        for i, s in enumerate(batch.samples):
+            a = int(whole.cu_seqlens_padded[i])
+            n = whole.seq_lens[i]
+            targets[a:a + n] = batch.targets[off:off + n]
+            mask[a:a + n] = s.loss_mask
+            off += n
+        dev = compat.device()
+        targets, mask = targets[local.token_index].to(dev), mask[local.token_index].to(dev)
+        total = float(whole.loss_mask.sum())
+        store: dict[str, Any] = {}
+
+        def loss_func(logits: Any) -> tuple[Any, Any, dict]:
+            store["logits"] = logits.detach().clone()  # the vocab-parallel CE edits its input in place
+            per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float().unsqueeze(1),
+                                                                     targets.unsqueeze(1)).squeeze(1)
+            loss = (per_token * mask).sum() / total
+            return loss, torch.tensor(1, dtype=torch.int), {}
+
+        def forward_step(data_iterator: Any, chunk: Any) -> tuple[Any, Any]:
+            return chunk(local, batch.pixel_values), loss_func
+
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        fb = get_forward_backward_func()
+        fb(forward_step_func=forward_step, data_iterator=[iter([0]) for _ in chunks] if len(chunks) > 1 else iter([0]),
+                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1,
+                    seq_length=local.num_tokens, micro_batch_size=1, forward_only=False)
+        _reduce_grads(chunks, model)
+
+        # logits: full vocabulary, whole sequence, per sample (real tokens)
+        logits = None
+        if mps.is_pipeline_last_stage(ignore_virtual=True):
+            local_logits = store["logits"]
+            if info.tp_size > 1:
+                parts = [torch.empty_like(local_logits) for _ in range(info.tp_size)]
+                dist.all_gather(parts, local_logits.contiguous(), group=mps.get_tensor_model_parallel_group())
+                local_logits = torch.cat(parts, dim=-1)
+            if cp > 1:
+                parts = [torch.empty_like(local_logits) for _ in range(cp)]
+                dist.all_gather(parts, local_logits.contiguous(), group=mps.get_context_parallel_group())
+                local_logits = packing.cp_merge(parts, whole.padded_lens)
+            logits = [x.cpu() for x in packing.unpack(local_logits, whole)]
+        grads = {k: v.cpu() for k, v in adapters.export_hf_state_dict(chunks, model, grads=True).items()}
+        # the last pipeline stage holds the logits: bring them to global rank 0
+        payload = logits if logits is not None and info.tp_rank == 0 and info.cp_rank == 0 \
+            and info.dp_rank == 0 else None
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, payload)
+        if dist.get_rank() != 0:
+            return None
+        logits = next(p for p in gathered if p is not None)
+        return RunResult(name, logits, grads, roundtrip, buckets)
+    finally:
+        destroy_parallel_state()
+
+
+def _reduce_grads(chunks: list[Any], model: ModelConfig) -> None:
+    """The gradient reductions Megatron's DDP/finalize_model_grads would do, minus DP averaging:
+    sum over context-parallel ranks, sum of sequence-parallel norm weights over TP ranks,
+    and the tied embedding gradient across the first and last pipeline stage."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+
+    if mps.get_tensor_model_parallel_world_size() > 1:
+        for c in chunks:
+            for p in c.parameters():
+                if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                    dist.all_reduce(p.grad, group=mps.get_tensor_model_parallel_group())
+    if mps.get_context_parallel_world_size() > 1:
+        group = mps.get_context_parallel_group()
+        for c in chunks:
+            for p in c.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+    if model.lm.tie_word_embeddings and mps.get_pipeline_model_parallel_world_size() > 1:
+        if mps.is_rank_in_embedding_group(ignore_virtual=True):
+            first = mps.is_pipeline_first_stage(ignore_virtual=True)
+            chunk = chunks[0] if first else chunks[-1]
+            weight = chunk.language_model.shared_embedding_or_output_weight()
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=mps.get_embedding_group())
+
+
+def single_layout(world_size: int) -> ParallelConfig:
+    """No model parallelism: every process is a data-parallel replica."""
+    return ParallelConfig(tp=1, pp=1, cp=1)
+
+
+def layout_name(p: ParallelConfig) -> str:
+    parts = [f"{k}{getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
+    if p.vpp:
+        parts.append(f"vpp{p.vpp}")
+    if p.sequence_parallel:
+        parts.append("sp")
+    return "+".join(parts) or "single"
+
+
+def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[ParallelConfig], seed: int,
+           with_hf: bool = True) -> dict[str, Any] | None:
+    """Per-process body (`parallel_state.spawn_local`): HF reference, then each layout."""
+    import torch
+
+    # an fp32 check: no TF32 in matmuls or convolutions on GPUs
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    net = make_hf_model(model, seed=seed)
+    batch = make_batch(model, seed=seed)
+    hf_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    results: dict[str, Any] = {}
+    if with_hf and rank == 0:
+        results["hf"] = hf_reference(net, batch, model)
+    del net
+    torch.manual_seed(seed)
+    for layout in layouts:
+        res = run_megatron(model, layout, hf_state, batch, name=layout_name(layout))
+        if rank == 0:
+            results[res.name] = res
+    return results if rank == 0 else None
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """max |a - b| over tensors, lists of tensors or dicts of tensors (same keys)."""
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            raise KeyError(f"different names: only in a {sorted(set(a) - set(b))[:5]}, "
+                           f"only in b {sorted(set(b) - set(a))[:5]}")
+        return max((max_abs_diff(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, (list, tuple)):
+        return max((max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
+    if a.shape != b.shape:
+        raise ValueError(f"shape {tuple(a.shape)} != {tuple(b.shape)}")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+@dataclass
+class Check:
+    what: str
+    value: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.bound
+
+
+def compare(results: dict[str, RunResult]) -> list[Check]:
+    """The parity table: single vs HF, every layout vs single (logits and gradients)."""
+    checks = []
+    single = results["single"]
+    if "hf" in results:
+        hf = results["hf"]
+        checks.append(Check("logits  single vs HF", max_abs_diff(single.logits, hf.logits), LOGITS_VS_HF))
+        checks.append(Check("grads   single vs HF", max_abs_diff(single.grads, hf.grads), GRADS_VS_HF))
+    for name, res in results.items():
+        if name == "hf":
+            continue
+        checks.append(Check(f"weights HF->{name}->HF", res.roundtrip, 0.0))
+        if name == "single":
+            continue
+        checks.append(Check(f"logits  {name} vs single", max_abs_diff(res.logits, single.logits), LOGITS_VS_SINGLE))
+        checks.append(Check(f"grads   {name} vs single", max_abs_diff(res.grads, single.grads), GRADS_VS_SINGLE))
+    return checks
+
+
+def format_table(checks: list[Check]) -> str:
+    lines = [f"{'check':<34} {'max|diff|':>10} {'bound':>8}  result"]
+    for c in checks:
+        lines.append(f"{c.what:<34} {c.value:>10.2e} {c.bound:>8.0e}  {'PASS' if c.ok else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int = 0,
+               timeout_s: float = 900.0) -> list[Check]:
+    """Spawn the gloo processes, run HF + single + `layouts`, return the checks."""
+    from ..training.parallel_state import spawn_local
+
+    world = max([p.tp * p.pp * p.cp for p in layouts] + [1])
+    for p in layouts:
+        if world % (p.tp * p.pp * p.cp):
+            raise ValueError(f"layout {layout_name(p)} does not divide the {world} processes")
+    results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, timeout_s=timeout_s)[0]
+    return compare(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .. import config as vconfig
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    cfg = vconfig.load(overrides, check_rules=False)
+    model, parallel = cfg.model, cfg.parallel
+    model = dataclasses.replace(model, dtype="float32")
+    if parallel.tp * parallel.pp * parallel.cp == 1:
+        layouts: list[ParallelConfig] = []
+    else:
+        layouts = [dataclasses.replace(parallel)]
+    checks = run_parity(model, layouts, seed=cfg.seed)
+    print(f"model={model.name} family={model.family} layers={model.lm.num_layers} "
+          f"vision_depth={model.vision.depth} layout={layout_name(parallel)} (fp32, CPU/gloo)")
+    print(format_table(checks))
+    return 0 if all(c.ok for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Training samples, micro-batches and their packed tensors (pure functions).
+
+A `TrainSample` is one prompt + response as token ids with the response marked in
+`loss_mask` (on the tokens themselves). For next-token prediction the logits at position t
+score token t+1, so `shift` moves masks, rollout logprobs and targets one position left
+within each sample. Samples are then split over data-parallel ranks and packed into
+micro-batches without padding between samples (dynamic batching by a token budget, or a
+fixed number of samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .packing import PackedSequence, PackSample, pack, split_for_cp
+
+
+@dataclass
+class TrainSample:
+    input_ids: list[int]  # prompt + response
+    loss_mask: list[float]  # 1 on tokens that are trained on (response / assistant tokens)
+    pixel_values: Tensor | None = None  # [patches, C*T*P*P] of this sample's images
+    image_grid_thw: Tensor | None = None  # [n_images, 3]
+    advantage: float = 0.0
+    # Logprobs the rollout engine reported for the loss-masked tokens, in order.
+    rollout_logprobs: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.loss_mask) != len(self.input_ids):
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.input_ids)} tokens")
+        if self.rollout_logprobs is not None:
+            n = int(sum(1 for m in self.loss_mask if m))
+            if len(self.rollout_logprobs) != n:
+                raise ValueError(f"{len(self.rollout_logprobs)} rollout logprobs for {n} loss-masked tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch, this rank's CP share, with per-token training targets.
+
+    Every per-token tensor is aligned with `packed.input_ids` (position t holds what the
+    logits at t are trained against: target token t+1 of the sample).
+    """
+
+    packed: PackedSequence
+    pixel_values: Tensor | None
+    targets: Tensor  # [T] long
+    loss_mask: Tensor  # [T] float
+    advantages: Tensor  # [T] float
+    rollout_logp: Tensor  # [T] float (0 where unknown)
+    has_rollout_logp: bool
+    num_samples: int
+    extras: dict[str, Tensor] = field(default_factory=dict)  # e.g. old / ref logprobs
+
+    @property
+    def cu_seqlens(self) -> Tensor:
+        return self.packed.local_cu_seqlens
+
+
+def shifted(sample: TrainSample) -> tuple[Tensor, Tensor, Tensor]:
+    """(targets, mask, rollout_logp) of one sample, shifted for next-token prediction."""
+    ids = torch.as_tensor(sample.input_ids, dtype=torch.long)
+    mask = torch.as_tensor(sample.loss_mask, dtype=torch.float32)
+    targets = torch.zeros_like(ids)
+    targets[:-1] = ids[1:]
+    out_mask = torch.zeros_like(mask)
+    out_mask[:-1] = mask[1:]
+    lp = torch.zeros_like(mask)
+    if sample.rollout_logprobs is not None:
+        where = torch.nonzero(mask > 0).view(-1)  # positions of masked tokens
+        lp[where - 1] = torch.as_tensor(sample.rollout_logprobs, dtype=torch.float32)
+    return targets, out_mask, lp
+
+
+def split_by_tokens(samples: Sequence[TrainSample], parts: int) -> list[list[int]]:
+    """Indices of `samples` for each of `parts` ranks, balancing token counts (greedy LPT)."""
+    order = sorted(range(len(samples)), key=lambda i: -samples[i].num_tokens)
+    loads = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in order:
+        r = min(range(parts), key=lambda k: (loads[k], len(out[k])))
+        out[r].append(i)
+        loads[r] += samples[i].num_tokens
+    return [sorted(x) for x in out]
+
+
+def micro_batches(lengths: Sequence[int], *, max_tokens: int | None, micro_batch_size: int) -> list[list[int]]:
+    """Group sample indices into micro-batches: by a token budget (first fit in order, a
+    sample longer than the budget alone) or `micro_batch_size` samples at a time."""
+    if max_tokens is None:
+        return [list(range(i, min(i + micro_batch_size, len(lengths))))
+                for i in range(0, len(lengths), micro_batch_size)]
+    groups: list[list[int]] = []
+    sizes: list[int] = []
+    for i, n in enumerate(lengths):
+        for g, size in enumerate(sizes):
+            if size + n <= max_tokens:
+                groups[g].append(i)
+                sizes[g] += n
+                break
+        else:
+            groups.append([i])
+            sizes.append(n)
+    return groups
+
+
+def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, spatial_merge_size: int,
+                      cp_size: int = 1, cp_rank: int = 0, pad_token_id: int = 0) -> MicroBatch:
+    """Pack `samples` (the whole micro-batch) and keep this CP rank's share."""
+    parts = [shifted(s) for s in samples]
+    whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw) for s, p in zip(samples, parts)],
+                 image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
+                 pad_multiple=2 * cp_size if cp_size > 1 else 1, pad_token_id=pad_token_id)
+    total = whole.num_tokens
+    targets = torch.zeros(total, dtype=torch.long)
+    adv = torch.zeros(total)
+    lp = torch.zeros(total)
+    for i, (s, (t, _, r)) in enumerate(zip(samples, parts)):
+        a, n = int(whole.cu_seqlens_padded[i]), whole.seq_lens[i]
+        targets[a:a + n] = t
+        adv[a:a + n] = float(s.advantage)
+        lp[a:a + n] = r
+    local = split_for_cp(whole, cp_size, cp_rank) if cp_size > 1 else whole
+    idx = local.token_index
+    pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
+    return MicroBatch(
+        packed=local,
+        pixel_values=torch.cat(pixels) if pixels else None,
+        targets=targets[idx],
+        loss_mask=local.loss_mask,
+        advantages=adv[idx],
+        rollout_logp=lp[idx],
+        has_rollout_logp=all(s.rollout_logprobs is not None for s in samples),
+        num_samples=len(samples),
+    )

@@ -1,0 +1,213 @@
+"""The one place that makes megatron-core 0.16 run on CPU processes over gloo.
+
+Megatron assumes CUDA in a handful of spots that matter to us: tensors allocated on
+`torch.cuda.current_device()`, the CUDA RNG state tracker behind
+`model_parallel_cuda_manual_seed` and dropout forks, and an undefined `te_general_gemm` in
+the MoE router when TransformerEngine is absent. `apply()` patches exactly those, and only
+when CUDA is unavailable; on GPUs it changes nothing, so the same code runs with NCCL.
+Keep every CUDA-only workaround in this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this process computes on: its current CUDA device, else the CPU."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class CpuRNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker with CPU generator states instead of CUDA ones.
+
+    Same interface (reset/get_states/set_states/add/fork/is_initialized): named RNG streams
+    (e.g. the tensor-parallel one used for dropout inside TP regions) that `fork` swaps in.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+class _CpuTorch:
+    """`torch` as seen by a Megatron module on a CPU-only machine: tensor factories asked
+    for `device="cuda"` allocate on the CPU; everything else is the real torch."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "empty_like", "zeros_like")
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            dev = kwargs.get("device")
+            if dev is not None and str(dev).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+# Megatron modules that allocate small bookkeeping tensors with a literal device="cuda".
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.utils",
+)
+
+
+def _clip_grad_by_total_norm_cpu(parameters: Any, max_norm: float, total_norm: float,
+                                 use_decoupled_grad: bool = False) -> None:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [g.detach() for p in parameters if (g := getattr(p, attr, None)) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def apply() -> None:
+    """Install the CPU shims (idempotent; a no-op when CUDA is available)."""
+    global _APPLIED
+    if _APPLIED or cuda_available():
+        return
+    # 1. `torch.empty(..., device=torch.cuda.current_device())` and friends allocate on CPU.
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    # ... and there is no device work to wait for (the pipeline's p2p shape exchange and the
+    # checkpoint writers synchronize first).
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+
+    # 2. The CUDA RNG tracker: CPU generator states with the same interface.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc]
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+    # 3. Tied embeddings under pipeline parallelism: the last stage's copy of the word
+    #    embeddings is moved with `.cuda()` before its all-reduce; keep it on the CPU.
+    from megatron.core.models.common.language_module import language_module
+
+    original = language_module.LanguageModule.setup_embeddings_and_output_layer
+    if not getattr(original, "_vlmrl_cpu", False):
+        def setup_embeddings_and_output_layer(self: Any) -> None:
+            with _tensor_cuda_is_identity():
+                original(self)
+
+        setup_embeddings_and_output_layer._vlmrl_cpu = True  # type: ignore[attr-defined]
+        language_module.LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+    # 4. The MoE router names te_general_gemm unconditionally; without TransformerEngine the
+    #    name is undefined (0.16). None selects its plain torch.mm path.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+    # 5. Literal device="cuda" allocations (optimizer scales, grad-norm buffers, the
+    #    schedules' token counters) land on the CPU.
+    import importlib
+
+    for name in _CUDA_LITERAL_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorch):
+            module.torch = _CpuTorch(module.torch)
+
+    # 6. Gradient clipping asserts `torch.cuda.FloatTensor` grads; the CPU version scales
+    #    the same fp32 grads by the same coefficient.
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    _APPLIED = True
+
+
+def megatron_config_defaults() -> dict[str, Any]:
+    """TransformerConfig fields whose defaults need CUDA kernels (fusions, TE paths).
+
+    Off everywhere without TransformerEngine/apex; on GPUs the caller may re-enable them
+    through `trainer.megatron` overrides once the kernels exist.
+    """
+    on_gpu = cuda_available()
+    return {
+        "use_cpu_initialization": not on_gpu,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False,
+        # gloo has no coalesced send/recv
+        "batch_p2p_comm": on_gpu,
+    }

@@ -1,0 +1,279 @@
+"""THD packing of variable-length samples, per-sample M-RoPE positions, CP zigzag split.
+
+Pure tensor functions (torch only, no process groups):
+
+- `mrope_position_ids`: the [3, T] positions of one sample, as HF's `get_rope_index` for
+  Qwen2.5-VL computes them (text advances all axes; image tokens take t/h/w grid positions).
+- `pack`: samples -> one flat sequence with `cu_seqlens`, no padding between samples
+  (unless each sample must be a multiple of `pad_multiple`, e.g. 2*cp for context
+  parallelism); positions are rebuilt per sample and concatenated.
+- `split_for_cp`: the zigzag share of CP rank r: every sample (padded to a multiple of
+  2*cp) is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r, with its token
+  ids, positions, loss mask and the rows of the image features it needs.
+- `unpack` / `cp_merge`: per-token outputs back to samples / to the unsplit order.
+
+Layout conventions (those of TransformerEngine's THD format): `cu_seqlens` are the cumulative
+real lengths, `cu_seqlens_padded` the cumulative padded lengths, i.e. the sample offsets in
+the unsplit packed tensor. On a CP rank every sample holds `padded_len / cp` tokens, so its
+local offsets are `cu_seqlens_padded // cp`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PackSample:
+    """One sample to pack: its token ids, optional loss mask and the grids of its images."""
+
+    input_ids: Tensor | Sequence[int]
+    loss_mask: Tensor | Sequence[float] | None = None  # None: all ones
+    image_grid_thw: Tensor | Sequence[Sequence[int]] | None = None  # [n_images, 3] patch grids
+
+
+@dataclass
+class PackedSequence:
+    """One packed (THD) sequence, whole or one CP rank's share of it."""
+
+    input_ids: Tensor  # [T] long
+    position_ids: Tensor  # [3, T] long
+    loss_mask: Tensor  # [T] float
+    seq_lens: list[int]  # real length of each sample
+    padded_lens: list[int]  # padded length of each sample (whole sequence)
+    cu_seqlens: Tensor  # [n+1] int32, cumulative real lengths
+    cu_seqlens_padded: Tensor  # [n+1] int32, sample offsets in the whole packed sequence
+    image_grid_thw: Tensor  # [n_images, 3] long, every image of every sample in order
+    images_per_sample: list[int]
+    image_tokens_per_sample: list[int]  # image placeholder tokens of each sample (whole sample)
+    # For every image placeholder token held here, its row in the concatenated image features.
+    image_token_index: Tensor  # [n_image_tokens_here] long
+    # For every token held here, its index in the whole packed sequence.
+    token_index: Tensor  # [T] long
+    image_token_id: int = -1
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def total_padded(self) -> int:
+        return int(self.cu_seqlens_padded[-1])
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.padded_lens) if self.padded_lens else 0
+
+    @property
+    def local_cu_seqlens(self) -> Tensor:
+        """Sample offsets in the tensors held here (whole sequence: cu_seqlens_padded)."""
+        return self.cu_seqlens_padded // self.cp_size
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(self.image_tokens_per_sample)
+
+    def to(self, device: torch.device | str) -> PackedSequence:
+        moved = {k: getattr(self, k).to(device) for k in
+                 ("input_ids", "position_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded",
+                  "image_grid_thw", "image_token_index", "token_index")}
+        return replace(self, **moved)
+
+
+def image_token_count(grid_thw: Tensor, spatial_merge_size: int) -> Tensor:
+    """Placeholder tokens of each image: t*h*w / merge^2 (patches merged into one token)."""
+    return grid_thw.long().prod(-1) // (spatial_merge_size ** 2)
+
+
+def mrope_position_ids(input_ids: Tensor, image_grid_thw: Tensor | None, *, image_token_id: int,
+                       spatial_merge_size: int, sample_index: int | None = None) -> Tensor:
+    """[3, T] M-RoPE positions of one sample (Qwen2.5-VL rules, images only).
+
+    Each image's placeholder tokens must be contiguous and number t*h*w/merge^2; the images'
+    grids are consumed in order. A mismatch raises ValueError naming `sample_index`.
+    """
+    ids = torch.as_tensor(input_ids).long().view(-1)
+    n = ids.shape[0]
+    where = f"sample {sample_index}: " if sample_index is not None else ""
+    is_image = ids == image_token_id
+    image_pos = torch.nonzero(is_image).view(-1)
+    grids = (torch.zeros(0, 3, dtype=torch.long) if image_grid_thw is None
+             else torch.as_tensor(image_grid_thw).long().view(-1, 3).cpu())
+    counts = image_token_count(grids, spatial_merge_size) if len(grids) else torch.zeros(0, dtype=torch.long)
+    if int(counts.sum()) != image_pos.numel():
+        raise ValueError(f"{where}{image_pos.numel()} image tokens in the sequence but its "
+                         f"{len(grids)} image grid(s) {grids.tolist()} need {int(counts.sum())}")
+    out = torch.empty(3, n, dtype=torch.long)
+    cursor = 0  # next token to place
+    pos = 0  # next text position
+    taken = 0  # image tokens consumed
+    for k in range(len(grids)):
+        count = int(counts[k])
+        start = int(image_pos[taken])
+        if count and int(image_pos[taken + count - 1]) - start != count - 1:
+            raise ValueError(f"{where}the {count} placeholder tokens of image {k} are not contiguous")
+        text = start - cursor
+        out[:, cursor:start] = torch.arange(pos, pos + text).expand(3, -1)
+        pos += text
+        t, h, w = (int(x) for x in grids[k])
+        gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        tt = torch.arange(t).view(-1, 1, 1).expand(t, gh, gw)
+        hh = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw)
+        ww = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw)
+        out[:, start:start + count] = torch.stack([tt, hh, ww]).reshape(3, -1) + pos
+        pos += max(gh, gw)
+        cursor = start + count
+        taken += count
+    out[:, cursor:] = torch.arange(pos, pos + n - cursor).expand(3, -1)
+    return out
+
+
+def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_size: int,
+         pad_multiple: int = 1, pad_token_id: int = 0) -> PackedSequence:
+    """Concatenate samples into one THD sequence with per-sample M-RoPE positions.
+
+    With `pad_multiple > 1` each sample is padded at its end to a multiple of it (pad
+    tokens: `pad_token_id`, loss mask 0, text positions continuing the sample's). Causal
+    attention keeps real tokens blind to their sample's padding.
+    """
+    if not samples:
+        raise ValueError("pack needs at least one sample")
+    ids_l, pos_l, mask_l, grids_l = [], [], [], []
+    seq_lens, padded_lens, n_images, n_image_tokens = [], [], [], []
+    for i, s in enumerate(samples):
+        ids = torch.as_tensor(s.input_ids).long().view(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise ValueError(f"sample {i} is empty")
+        grid = (torch.zeros(0, 3, dtype=torch.long) if s.image_grid_thw is None
+                else torch.as_tensor(s.image_grid_thw).long().view(-1, 3))
+        pos = mrope_position_ids(ids, grid, image_token_id=image_token_id,
+                                 spatial_merge_size=spatial_merge_size, sample_index=i)
+        mask = (torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask).float().view(-1))
+        if mask.shape[0] != n:
+            raise ValueError(f"sample {i}: loss_mask has {mask.shape[0]} entries for {n} tokens")
+        padded = -(-n // pad_multiple) * pad_multiple
+        if padded > n:
+            extra = padded - n
+            ids = torch.cat([ids, torch.full((extra,), pad_token_id, dtype=torch.long)])
+            nxt = int(pos.max()) + 1
+            pos = torch.cat([pos, torch.arange(nxt, nxt + extra).expand(3, -1)], dim=1)
+            mask = torch.cat([mask, torch.zeros(extra)])
+        ids_l.append(ids)
+        pos_l.append(pos)
+        mask_l.append(mask)
+        grids_l.append(grid)
+        seq_lens.append(n)
+        padded_lens.append(padded)
+        n_images.append(len(grid))
+        n_image_tokens.append(int(image_token_count(grid, spatial_merge_size).sum()) if len(grid) else 0)
+    input_ids = torch.cat(ids_l)
+    total = input_ids.shape[0]
+    return PackedSequence(
+        input_ids=input_ids,
+        position_ids=torch.cat(pos_l, dim=1),
+        loss_mask=torch.cat(mask_l),
+        seq_lens=seq_lens,
+        padded_lens=padded_lens,
+        cu_seqlens=_cumsum(seq_lens),
+        cu_seqlens_padded=_cumsum(padded_lens),
+        image_grid_thw=torch.cat(grids_l) if grids_l else torch.zeros(0, 3, dtype=torch.long),
+        images_per_sample=n_images,
+        image_tokens_per_sample=n_image_tokens,
+        image_token_index=torch.arange(sum(n_image_tokens)),
+        token_index=torch.arange(total),
+        image_token_id=image_token_id,
+    )
+
+
+def _cumsum(lengths: Sequence[int]) -> Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return out
+
+
+def check_image_tokens(packed: PackedSequence) -> None:
+    """Raise ValueError naming the first sample whose image placeholder count differs from the
+    feature count its image grids give (whole sequences only: a CP share holds parts of samples)."""
+    if packed.cp_size != 1:
+        raise ValueError("check_image_tokens takes the whole packed sequence")
+    offsets = packed.cu_seqlens_padded.tolist()
+    is_image = packed.input_ids == packed.image_token_id
+    for i, want in enumerate(packed.image_tokens_per_sample):
+        have = int(is_image[offsets[i]:offsets[i + 1]].sum())
+        if have != want:
+            raise ValueError(f"sample {i}: {have} image tokens but its image grids give {want} features")
+
+
+def zigzag_index(padded_lens: Sequence[int], cp_size: int, cp_rank: int) -> Tensor:
+    """Indices (into the whole packed sequence) of the tokens CP rank `cp_rank` holds.
+
+    Sample i (padded length L, a multiple of 2*cp) is cut into 2*cp chunks of L/(2*cp);
+    the rank keeps chunks `cp_rank` and `2*cp-1-cp_rank`, in that order.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} outside [0, {cp_size})")
+    parts = []
+    offset = 0
+    for i, length in enumerate(padded_lens):
+        if length % (2 * cp_size):
+            raise ValueError(f"sample {i}: padded length {length} is not a multiple of 2*cp = {2 * cp_size} "
+                             f"(pack with pad_multiple={2 * cp_size})")
+        chunk = length // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(offset + c * chunk, offset + (c + 1) * chunk))
+        offset += length
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def split_for_cp(packed: PackedSequence, cp_size: int, cp_rank: int) -> PackedSequence:
+    """The share of CP rank `cp_rank` of a whole packed sequence (positions carried along)."""
+    if packed.cp_size != 1:
+        raise ValueError("split_for_cp takes the whole packed sequence")
+    if cp_size == 1:
+        return packed
+    idx = zigzag_index(packed.padded_lens, cp_size, cp_rank)
+    # ordinal of each image token among all image tokens of the whole sequence
+    is_image = packed.input_ids == packed.image_token_id
+    ordinal = torch.cumsum(is_image.long(), 0) - 1
+    local_is_image = is_image[idx]
+    return replace(
+        packed,
+        input_ids=packed.input_ids[idx],
+        position_ids=packed.position_ids[:, idx],
+        loss_mask=packed.loss_mask[idx],
+        image_token_index=packed.image_token_index[ordinal[idx][local_is_image]],
+        token_index=packed.token_index[idx],
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+    )
+
+
+def unpack(values: Tensor, packed: PackedSequence, *, dim: int = 0) -> list[Tensor]:
+    """Per-token values of the whole packed sequence -> one tensor per sample (real tokens)."""
+    if packed.cp_size != 1:
+        raise ValueError("unpack takes whole-sequence values; merge CP shares with cp_merge first")
+    offsets = packed.cu_seqlens_padded.tolist()
+    return [values.narrow(dim, offsets[i], packed.seq_lens[i]) for i in range(packed.num_samples)]
+
+
+def cp_merge(shares: Sequence[Tensor], padded_lens: Sequence[int], *, dim: int = 0) -> Tensor:
+    """Per-token values held by each CP rank (rank order) -> values in the whole sequence."""
+    cp_size = len(shares)
+    total = sum(padded_lens)
+    first = shares[0].movedim(dim, 0)
+    out = first.new_empty((total, *first.shape[1:]))
+    for r, share in enumerate(shares):
+        out[zigzag_index(padded_lens, cp_size, r).to(out.device)] = share.movedim(dim, 0)
+    return out.movedim(0, dim)

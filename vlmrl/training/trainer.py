@@ -1,0 +1,270 @@
+"""The Megatron trainer of one rank: model, optimizer, RL and SFT steps, weight export.
+
+Every trainer rank builds its share of the model (`vlmrl.models.bridge`), loads the HF
+checkpoint through the adapters, wraps the chunks in Megatron's DDP and optimizer, and
+runs Megatron's forward/backward schedules over packed micro-batches. Losses come from
+`vlmrl.algo.losses` (pure functions); the per-token normaliser of the whole global batch is
+applied by Megatron (`calculate_per_token_loss`), so gradient accumulation over
+micro-batches and data parallelism reproduce the full-batch loss exactly.
+
+The same code runs on CPU ranks over gloo and on GPUs over NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..algo import losses
+from ..config.schema import VlmrlConfig
+from .batch import MicroBatch, TrainSample, build_micro_batch, micro_batches
+from .logprobs import logprobs_and_entropy
+
+# Metrics that are sums over tokens / sequences (normalised by the global normaliser) and
+# metrics that are means over masked tokens (weighted by the micro-batch's token count).
+_SUMMED = ("loss", "pg_loss", "kl", "entropy")
+_MEANS = ("pg_clipfrac", "ppo_kl", "tis_mean", "train_rollout_logprob_abs_diff")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class MegatronTrainer:
+    """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
+
+    def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int | None = None) -> None:
+        from megatron.core import parallel_state as mps
+
+        from ..models import adapters
+        from ..models.bridge import build_model
+        from .parallel_state import init_parallel_state
+
+        self.cfg = cfg
+        self.model_cfg = cfg.model
+        self.info = init_parallel_state(cfg.parallel, backend=cfg.hardware.dist_backend, seed=cfg.seed)
+        self.dtype = DTYPES[cfg.hardware.train_dtype]
+        overrides = {"calculate_per_token_loss": True, **dict(cfg.trainer.megatron)}
+        build = partial(build_model, cfg.model, cfg.parallel, params_dtype=self.dtype,
+                        attention_backend=cfg.hardware.lm_attention_backend,
+                        vision_attn_implementation=cfg.hardware.vision_attn_implementation,
+                        megatron_overrides=overrides)
+        chunks = build()
+        adapters.load_hf_weights(chunks, cfg.model, model_path)
+        self.ref_chunks = None
+        if cfg.algo.kl_coef > 0:
+            self.ref_chunks = build()
+            adapters.load_hf_weights(self.ref_chunks, cfg.model, model_path)
+            for c in self.ref_chunks:
+                c.eval().requires_grad_(False)
+
+        self.model = self._wrap_ddp(chunks)
+        self.optimizer = self._optimizer()
+        self.scheduler = self._scheduler(total_steps or cfg.num_steps)
+        self.tp_group = mps.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def chunks(self) -> list[Any]:
+        return [m.module for m in self.model]
+
+    def _wrap_ddp(self, chunks: list[Any]) -> list[Any]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self._distributed_optimizer(), check_for_nan_in_grad=False)
+        return [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
+                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+
+    def _distributed_optimizer(self) -> bool:
+        # gloo has no reduce-scatter: the sharded optimizer needs NCCL.
+        return self.cfg.trainer.use_distributed_optimizer and self.cfg.hardware.dist_backend == "nccl"
+
+    def _optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.cfg.trainer.optim
+        config = OptimizerConfig(
+            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=self._distributed_optimizer())
+        return get_megatron_optimizer(config, self.model, use_gloo_process_groups=False)
+
+    def _scheduler(self, total_steps: int) -> Any:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.cfg.trainer.optim
+        decay = max(total_steps - o.lr_warmup_steps, 1)
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay + o.lr_warmup_steps,
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=decay + o.lr_warmup_steps, wd_incr_style="constant")
+
+    # ------------------------------------------------------------------ batches
+    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
+        p, m = self.cfg.parallel, self.model_cfg
+        groups = micro_batches([s.num_tokens for s in samples],
+                               max_tokens=p.max_tokens_per_gpu * p.cp if p.use_dynamic_batch_size else None,
+                               micro_batch_size=p.micro_batch_size)
+        return [build_micro_batch([samples[i] for i in g], image_token_id=m.image_token_id,
+                                  spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
+                                  cp_rank=self.info.cp_rank) for g in groups]
+
+    def _vocab_start(self, logits: Tensor) -> int:
+        return self.info.tp_rank * logits.shape[-1]
+
+    def _token_logprobs(self, logits: Tensor, mb: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        return logprobs_and_entropy(logits, mb.targets.to(logits.device), temperature=self._temperature(),
+                                    vocab_start=self._vocab_start(logits), group=self.tp_group,
+                                    with_entropy=with_entropy)
+
+    def _temperature(self) -> float:
+        t = self.cfg.rollout.temperature
+        return t if t > 0 else 1.0
+
+    def _run(self, model: list[Any], mbs: list[MicroBatch], loss_fn: Any, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[MicroBatch], chunk: Any) -> tuple[Tensor, Any]:
+            mb = next(data_iterator)
+            return chunk(mb.packed, mb.pixel_values), partial(loss_fn, mb)
+
+        iters: Any = iter(mbs)
+        if len(model) > 1:  # interleaved pipeline: one iterator per virtual stage
+            iters = [iter(mbs) for _ in model]
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=forward_step, data_iterator=iters,
+                  model=model if len(model) > 1 else model[0], num_microbatches=len(mbs),
+                  seq_length=max(mb.packed.num_tokens for mb in mbs), micro_batch_size=1,
+                  forward_only=forward_only)
+
+    # ------------------------------------------------------------------ logprobs
+    @torch.no_grad()
+    def _forward_logprobs(self, model: list[Any], mbs: list[MicroBatch], key: str) -> None:
+        """Store per-token logprobs of `model` in each micro-batch's extras[key]."""
+        def loss_fn(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
+            logp, _ = self._token_logprobs(logits, mb, with_entropy=False)
+            mb.extras[key] = logp.detach()
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+        for m in model:
+            m.eval()
+        self._run(model, mbs, loss_fn, forward_only=True)
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, mbs: list[MicroBatch], loss_fn: Any) -> dict[str, float]:
+        from megatron.core import parallel_state as mps
+
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(self.model, mbs, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.steps += 1
+
+        # reduce metrics: sums and token-weighted means over micro-batches and DP x CP ranks
+        keys = sorted({k for o in outputs for k in o})
+        vec = torch.zeros(len(keys) + 2, dtype=torch.float64)
+        for o in outputs:
+            for i, k in enumerate(keys):
+                vec[i] += float(o.get(k, 0.0))
+            vec[-2] += float(o["_normaliser"])
+            vec[-1] += float(o["_tokens"])
+        if mps.get_pipeline_model_parallel_world_size() > 1:
+            last = mps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(vec, src=last, group=mps.get_pipeline_model_parallel_group())
+        dist.all_reduce(vec, group=mps.get_data_parallel_group(with_context_parallel=True))
+        norm, tokens = max(vec[-2].item(), 1e-12), max(vec[-1].item(), 1e-12)
+        out = {}
+        for i, k in enumerate(keys):
+            if k.startswith("_"):
+                continue
+            out[k] = vec[i].item() / (tokens if k in _MEANS else norm)
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        out["update_skipped"] = float(not ok)
+        out["num_tokens"] = tokens
+        return out
+
+    def train_step(self, samples: Sequence[TrainSample], *, recompute_old_logprobs: bool = False) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of a global batch (RL loss)."""
+        algo = self.cfg.algo
+        mbs = self._micro_batches(samples)
+        if recompute_old_logprobs:
+            self._forward_logprobs(self.model, mbs, "old_logp")
+        if self.ref_chunks is not None:
+            self._forward_logprobs(self.ref_chunks, mbs, "ref_logp")
+        need_entropy = True
+        max_len = self.cfg.rollout.max_new_tokens
+
+        def loss_fn(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
+            logp, entropy = self._token_logprobs(logits, mb, with_entropy=need_entropy)
+            dev = logp.device
+            mask, cu = mb.loss_mask.to(dev), mb.cu_seqlens.to(dev)
+            old = mb.extras.get("old_logp", logp.detach())
+            loss, metrics = losses.policy_loss(
+                algo, logp, old.to(dev), mb.advantages.to(dev), mask, cu,
+                ref_logp=mb.extras.get("ref_logp"), entropy=entropy,
+                rollout_logp=mb.rollout_logp.to(dev) if mb.has_rollout_logp else None,
+                normaliser=1.0, max_response_len=max_len)
+            normaliser = losses.loss_normaliser(mask, cu, algo.loss_agg_mode, max_len)
+            n_tok = float(mask.sum())
+            reduced = {k: float(v) for k, v in metrics.items() if k in _SUMMED}
+            reduced.update({k: float(v) * n_tok for k, v in metrics.items() if k in _MEANS})
+            reduced["_normaliser"] = float(normaliser)
+            reduced["_tokens"] = n_tok
+            return loss, normaliser.round().to(torch.int), reduced
+
+        return self._step(mbs, loss_fn)
+
+    def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning (loss on loss-masked tokens)."""
+        mbs = self._micro_batches(samples)
+
+        def loss_fn(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
+            logp, _ = self._token_logprobs(logits, mb, with_entropy=False)
+            mask = mb.loss_mask.to(logp.device)
+            nll = -(torch.where(mask > 0, logp, 0.0) * mask).sum()
+            n_tok = float(mask.sum())
+            return nll, mask.sum().round().to(torch.int), {"loss": float(nll), "_normaliser": n_tok,
+                                                             "_tokens": n_tok}
+
+        return self._step(mbs, loss_fn)
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:
+        """Per-sample logprobs of the loss-masked tokens under the current weights (for
+        checks such as trainer-vs-engine parity after a weight sync). Last PP stage, CP 1."""
+        mbs = self._micro_batches(samples)
+        self._forward_logprobs(self.model, mbs, "logp")
+        out: list[Tensor] = []
+        for mb in mbs:
+            logp = mb.extras.get("logp")
+            if logp is None:
+                return []
+            cu = mb.cu_seqlens
+            for i in range(mb.num_samples):
+                a, b = int(cu[i]), int(cu[i + 1])
+                sel = mb.loss_mask[a:b] > 0
+                out.append(logp[a:b][sel.to(logp.device)].cpu())
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def iter_hf_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+        """The current weights as HF-named buckets (collective over TP and PP)."""
+        from ..models import adapters
+
+        return adapters.iter_hf_weights(self.chunks, self.model_cfg, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        return {"steps": self.steps, "scheduler": self.scheduler.state_dict()}
