@@ -1,0 +1,159 @@
+"""The procedural task (`data=synthetic`): geometry diagrams whose answer is in the picture.
+
+Every row has GEO3K's schema: `problem` ("<image>" + a question), `answer` (a string such
+as "4") and `images` (one PNG stored as `{"bytes": ..., "path": None}`, the storage form of
+HF `datasets`' Image feature, so rows round-trip through parquet exactly like GEO3K's).
+
+Each template asks one fixed question, so the text carries no information about the
+answer: within a template the answer is drawn uniformly from four values and only the
+diagram tells which. A model that ignores the image is at `chance_accuracy()` (1/4).
+The diagrams are made to be learnable by a tiny ViT (14 px patches, 112 px images): the
+quantity to read is a count of big near-black dots (the vertices of a polygon, or points
+on a circle) on a light background, while position, size, rotation, colours and line
+widths vary from row to row so that no picture repeats.
+
+Splits are deterministic by (seed, split) and disjoint: a rendered image belongs to the
+train split only if the first byte of its SHA-256 is even, to the test split only if odd,
+so no image can occur in both.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import hashlib
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image, ImageDraw
+
+from ..config.schema import SyntheticDataConfig
+from .images import encode_png
+
+SPLITS = ("train", "test")
+COUNTS = (3, 4, 5, 6)
+
+
+@dataclass(frozen=True)
+class Template:
+    """One question; `scene` draws `count` marked points; `answer(count)` is the label."""
+
+    name: str
+    problem: str
+    scene: str  # "polygon" | "circle"
+    answer: Callable[[int], int]
+    counts: tuple[int, ...] = COUNTS
+
+
+TEMPLATES: tuple[Template, ...] = (
+    Template("polygon_sides", "<image>How many sides are there in the polygon in the figure?",
+             "polygon", lambda n: n),
+    Template("circle_points", "<image>How many points are on the circle in the figure?",
+             "circle", lambda n: n),
+    Template("polygon_angle_sum",
+             "<image>What is the sum of the interior angles of the polygon in the figure, in degrees?",
+             "polygon", lambda n: 180 * (n - 2)),
+)
+
+
+def chance_accuracy(templates: tuple[Template, ...] = TEMPLATES) -> float:
+    """Expected accuracy of the best predictor that sees only the text: templates are used
+    equally often and each one's answers are uniform, so it is the mean of 1/len(counts)."""
+    return sum(1.0 / len(t.counts) for t in templates) / len(templates)
+
+
+def build_synthetic(cfg: SyntheticDataConfig, split: str) -> Any:
+    """The `split` ("train" or "test") of the procedural task as a `datasets.Dataset` with
+    columns problem, answer, images; identical bytes for identical (cfg, split)."""
+    import datasets
+
+    num_rows = {"train": cfg.num_train, "test": cfg.num_test}.get(split)
+    if num_rows is None:
+        raise ValueError(f"the synthetic task has splits {SPLITS}, not {split!r}")
+    rows = generate_rows(num_rows, seed=cfg.seed, split=split, image_size=cfg.image_size)
+    features = datasets.Features({
+        "problem": datasets.Value("string"),
+        "answer": datasets.Value("string"),
+        "images": datasets.List(datasets.Image()),
+    })
+    columns = {key: [row[key] for row in rows] for key in features}
+    return datasets.Dataset.from_dict(columns, features=features, split=datasets.NamedSplit(split))
+
+
+def generate_rows(num_rows: int, *, seed: int, split: str, image_size: int,
+                  templates: tuple[Template, ...] = TEMPLATES) -> list[dict[str, Any]]:
+    """`num_rows` rows as plain dicts (problem, answer, images=[{"bytes", "path": None}])."""
+    rng = random.Random(f"vlmrl-synthetic/{seed}/{split}")
+    parity = SPLITS.index(split)
+    rows = []
+    for template, count in balanced_plan(num_rows, templates, rng):
+        while True:  # rejection keeps the two splits' images disjoint by construction
+            png = encode_png(render(template.scene, count, image_size, rng))
+            if hashlib.sha256(png).digest()[0] % 2 == parity:
+                break
+        rows.append({"problem": template.problem, "answer": str(template.answer(count)),
+                     "images": [{"bytes": png, "path": None}]})
+    return rows
+
+
+def balanced_plan(num_rows: int, templates: tuple[Template, ...],
+                  rng: random.Random) -> list[tuple[Template, int]]:
+    """(template, count) per row, shuffled: templates used equally often (within one) and,
+    within a template, every count equally often (within one)."""
+    plan = []
+    for t_index, template in enumerate(templates):
+        n = num_rows // len(templates) + (t_index < num_rows % len(templates))
+        counts: list[int] = []
+        while len(counts) < n:
+            block = list(template.counts)
+            rng.shuffle(block)
+            counts += block
+        plan += [(template, c) for c in counts[:n]]
+    rng.shuffle(plan)
+    return plan
+
+
+# --------------------------------------------------------------------------- drawing
+def render(scene: str, count: int, size: int, rng: random.Random) -> Image.Image:
+    """A `size` x `size` diagram with `count` dots; layout and style drawn from `rng`."""
+    img = Image.new("RGB", (size, size), _light(rng))
+    draw = ImageDraw.Draw(img)
+    dot = max(3, round(size / 16))  # dot radius: a dot covers about one 14 px patch at 112 px
+    radius = rng.uniform(0.26, 0.36) * size
+    margin = radius + dot + 2
+    cx, cy = rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
+    line = rng.randint(max(1, size // 56), max(2, size // 28))
+    angles = _spread_angles(count, rng)
+    points = [(cx + radius * math.cos(a), cy + radius * math.sin(a)) for a in angles]
+    if scene == "polygon":
+        draw.polygon(points, fill=_colour(rng, 0.2, 0.5, 0.85, 1.0),
+                     outline=_colour(rng, 0.6, 0.9, 0.55, 0.75), width=line)
+    elif scene == "circle":
+        box = (cx - radius, cy - radius, cx + radius, cy + radius)
+        fill = _colour(rng, 0.2, 0.5, 0.85, 1.0) if rng.random() < 0.5 else None
+        draw.ellipse(box, fill=fill, outline=_colour(rng, 0.6, 0.9, 0.5, 0.75), width=line)
+    else:
+        raise ValueError(f"unknown scene {scene!r}")
+    ink = tuple(rng.randint(0, 40) for _ in range(3))
+    for x, y in points:
+        draw.ellipse((x - dot, y - dot, x + dot, y + dot), fill=ink)
+    return img
+
+
+def _spread_angles(count: int, rng: random.Random) -> list[float]:
+    """`count` angles around a circle, evenly spaced then jittered by up to a fifth of the
+    spacing each way (neighbours stay at least 0.6 spacing apart: dots never touch)."""
+    step = 2 * math.pi / count
+    start = rng.uniform(0, 2 * math.pi)
+    return [start + i * step + rng.uniform(-0.2, 0.2) * step for i in range(count)]
+
+
+def _light(rng: random.Random) -> tuple[int, int, int]:
+    return tuple(rng.randint(235, 255) for _ in range(3))  # type: ignore[return-value]
+
+
+def _colour(rng: random.Random, s_lo: float, s_hi: float, v_lo: float, v_hi: float) -> tuple[int, int, int]:
+    r, g, b = colorsys.hsv_to_rgb(rng.random(), rng.uniform(s_lo, s_hi), rng.uniform(v_lo, v_hi))
+    return round(r * 255), round(g * 255), round(b * 255)
