@@ -1,0 +1,189 @@
+"""Rollout on GPUs: the embedded engine on CUDA, CUDA IPC weight payloads, the NCCL weight
+update group, and (where SGLang is installed) a real SGLang server driven by the client."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt(proc, text: str, n_images: int) -> str:
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+    return proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+
+
+def _image() -> str:
+    from PIL import Image, ImageDraw
+
+    from vlmrl.data.images import encode_data_uri as encode_image_data_uri
+
+    img = Image.new("RGB", (112, 84), (200, 30, 30))
+    ImageDraw.Draw(img).rectangle([20, 20, 60, 60], fill=(20, 240, 20))
+    return encode_image_data_uri(img)
+
+
+@pytest.fixture(scope="module")
+def cuda_engine(tiny_checkpoint, tiny_config):
+    from vlmrl.rollout.embedded import EmbeddedEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    d = tiny_config.data
+    return EmbeddedEngine(tiny_checkpoint, device="cuda", dtype="float32", min_pixels=d.min_pixels,
+                          max_pixels=d.max_pixels)
+
+
+def test_embedded_cuda_logprobs_and_batch_invariance(cuda_engine):
+    from vlmrl.rollout.embedded import load_image
+    from vlmrl.rollout.protocol import GenerateRequest, SamplingParams
+
+    e = cuda_engine
+    img = _image()
+    sp = SamplingParams(temperature=0.8, max_new_tokens=16, seed=1)
+    reqs = [GenerateRequest(text=_prompt(e.processor, "How many squares?", 1), images=(img,), sampling=sp),
+            GenerateRequest(text=_prompt(e.processor, "A longer text-only question about the triangle", 0),
+                            sampling=sp)]
+    out = e.generate_sync(reqs)
+    for req, res in zip(reqs, out):
+        images = [load_image(s) for s in req.images] or None
+        enc = e.processor(text=[req.text], images=images, return_tensors="pt").to("cuda")
+        full = torch.cat([enc["input_ids"], torch.tensor([res.output_ids[:-1]], device="cuda")], 1)
+        kw = {}
+        if req.images:
+            kw = dict(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                      mm_token_type_ids=(full == e.image_token_id).long())
+        e.model.model.rope_deltas = None
+        with torch.no_grad():
+            logits = e.model(input_ids=full, attention_mask=torch.ones_like(full), **kw).logits[0].float()
+        L = enc["input_ids"].shape[1]
+        ref = torch.log_softmax(logits[L - 1:] / 0.8, -1)
+        ref = [float(ref[j, t]) for j, t in enumerate(res.output_ids)]
+        assert max(abs(a - b) for a, b in zip(ref, res.logprobs)) <= 1e-4
+        solo = e.generate_sync([req])[0]
+        assert solo.output_ids == res.output_ids
+        assert max(abs(a - b) for a, b in zip(solo.logprobs, res.logprobs)) <= 1e-4
+
+
+_IPC_READER = """
+import sys, torch
+from vlmrl.rollout.sglang import load_ipc
+named = load_ipc(open(sys.argv[1], "rb").read())
+print(";".join(f"{n}:{float(t.double().sum()):.6f}:{t.device}" for n, t in named))
+"""
+
+
+def test_serialize_ipc_roundtrip_across_processes(tmp_path):
+    from vlmrl.rollout.sglang import serialize_ipc
+
+    dev = torch.cuda.device_count() - 1  # the reader sees this GPU as cuda:0
+    a = torch.arange(12, dtype=torch.float32, device=f"cuda:{dev}").view(3, 4)
+    b = torch.ones(5, dtype=torch.bfloat16, device=f"cuda:{dev}") * 2
+    path = tmp_path / "payload.bin"
+    path.write_bytes(serialize_ipc([("model.layers.0.w", a), ("visual.x", b)]))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(dev)}
+    out = subprocess.run([sys.executable, "-c", _IPC_READER, str(path)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "model.layers.0.w:66.000000:cuda:0;visual.x:10.000000:cuda:0"
+
+
+_RECEIVER = """
+import sys, torch
+from vlmrl.rollout.sglang import join_update_group, receive_bucket
+port = int(sys.argv[1])
+torch.cuda.set_device(0)
+g = join_update_group("127.0.0.1", port, 1, 2, group_name="vlmrl-gpu-test", backend="nccl", timeout_s=120)
+for flat in (False, True):
+    named = receive_bucket(g, ["a", "b"], ["float32", "bfloat16"], [[3, 4], [5]], flattened=flat, device="cuda")
+    print(flat, ";".join(f"{n}:{float(t.double().sum()):.3f}" for n, t in named), flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_nccl_update_group_broadcast(tmp_path):
+    from vlmrl.rollout.sglang import broadcast_bucket, init_update_group, order_for_flattening
+
+    port = _free_port()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    torch.cuda.set_device(0)
+    group = init_update_group("127.0.0.1", port, 2, group_name="vlmrl-gpu-test", backend="nccl", timeout_s=120)
+    bucket = [("a", torch.arange(12, dtype=torch.float32, device="cuda").view(3, 4)),
+              ("b", torch.full((5,), 3.0, dtype=torch.bfloat16, device="cuda"))]
+    broadcast_bucket(group, bucket)
+    broadcast_bucket(group, order_for_flattening(bucket), flattened=True)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["False a:66.000;b:15.000", "True a:66.000;b:15.000"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+def test_sglang_server_with_the_client(tiny_checkpoint, tiny_config, cuda_engine):
+    """Launch a real SGLang server on GPU 0 from the config, generate with an image through
+    the client, compare logprobs with the embedded engine, update weights (IPC), release /
+    resume memory."""
+    from vlmrl.config import load
+    from vlmrl.models.names import to_checkpoint_name
+    from vlmrl.rollout.client import HTTPEngine
+    from vlmrl.rollout.protocol import GenerateRequest, SamplingParams
+    from vlmrl.rollout.sglang import ManagedProcess, server_args, server_command
+
+    cfg = load(["hardware=h200", "rollout=sglang", "cluster.num_gpus=1", "cluster.colocate=true",
+                f"model.cache_dir={tiny_config.model.cache_dir}", "model.dtype=float32",
+                "rollout.sglang.mem_fraction_static=0.3"], check_rules=False)
+    port = _free_port()
+    args = server_args(cfg.rollout, cfg.hardware, cfg.model, port=port, model_path=tiny_checkpoint, colocate=True)
+    log = Path(tempfile.mkdtemp()) / "sglang.log"
+    proc = ManagedProcess(server_command(args), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, log_path=log)
+    proc.start()
+
+    async def go():
+        client = HTTPEngine(f"http://127.0.0.1:{port}", tensor_format="ipc")
+        try:
+            await client.wait_healthy(600, is_alive=proc.alive)
+            e = cuda_engine
+            req = GenerateRequest(text=_prompt(e.processor, "How many squares?", 1), images=(_image(),),
+                                  sampling=SamplingParams(temperature=0.0, max_new_tokens=8))
+            (res,) = await client.generate([req])
+            (ref,) = e.generate_sync([req])
+            assert res.prompt_tokens == ref.prompt_tokens and len(res.logprobs) == len(res.output_ids)
+            assert res.output_ids == ref.output_ids
+            assert max(abs(a - b) for a, b in zip(res.logprobs, ref.logprobs)) < 1e-2
+            named = [(to_checkpoint_name(k), v.clone() * 1.01) for k, v in e.model.state_dict().items()
+                     if "layers.0." in k]
+            await client.update_weights_from_tensor(named, bucket_bytes=1 << 20, weight_version="1")
+            (after,) = await client.generate([req])
+            assert after.weight_version == "1" and after.logprobs != res.logprobs
+            await client.release_memory_occupation()
+            await client.resume_memory_occupation()
+            # the RL loop re-sends the weights after resuming (released weights are not kept)
+            await client.update_weights_from_tensor(named, bucket_bytes=1 << 20, weight_version="2")
+            (again,) = await client.generate([req])
+            assert again.output_ids == after.output_ids
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        proc.stop()

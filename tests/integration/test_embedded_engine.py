@@ -1,0 +1,239 @@
+"""The embedded engine: logprobs equal a teacher-forced HF forward, batch invariance,
+seeded sampling, stop conditions, the Ray actor wrapper."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from vlmrl.data.images import encode_data_uri as encode_image_data_uri
+from vlmrl.rollout.embedded import EmbeddedEngine
+from vlmrl.rollout.protocol import GenerateRequest, SamplingParams
+
+TOL = 1e-5
+
+
+def _image(w: int, h: int, color: tuple[int, int, int]) -> str:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (w, h), color)
+    ImageDraw.Draw(img).rectangle([w // 4, h // 4, w // 2, h // 2], fill=(255 - color[0], 30, 200))
+    return encode_image_data_uri(img)
+
+
+def _prompt(engine: EmbeddedEngine, text: str, n_images: int = 0) -> str:
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+    return engine.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint, tiny_config) -> EmbeddedEngine:
+    d = tiny_config.data
+    return EmbeddedEngine(tiny_checkpoint, min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[str]:
+    return [_image(112, 84, (200, 10, 10)), _image(56, 140, (10, 180, 40)), _image(98, 98, (20, 20, 220))]
+
+
+def _requests(engine, images, sampling):
+    return [
+        GenerateRequest(text=_prompt(engine, "How many red triangles are in the figure?", 1), images=(images[0],),
+                        sampling=sampling),
+        GenerateRequest(text=_prompt(engine, "Find the area of the circle with radius 3 units, then give the "
+                                             "final answer in a box.", 0), sampling=sampling),
+        GenerateRequest(text=_prompt(engine, "x", 2), images=(images[1], images[2]), sampling=sampling),
+        GenerateRequest(text=_prompt(engine, "What is the length of side", 1), images=(images[2],), sampling=sampling),
+    ]
+
+
+def _teacher_forced(engine: EmbeddedEngine, req: GenerateRequest, output_ids: list[int]) -> list[float]:
+    """The reference: one HF forward over prompt + response (the model's own position
+    logic), log_softmax(logits / T) at each response token."""
+    proc = engine.processor
+    images = None
+    if req.images:
+        from vlmrl.rollout.embedded import load_image
+
+        images = [load_image(s) for s in req.images]
+    enc = proc(text=[req.text], images=images, return_tensors="pt")
+    prompt = enc["input_ids"]
+    full = torch.cat([prompt, torch.tensor([output_ids[:-1]])], dim=1)
+    kwargs = {}
+    if images:
+        kwargs = dict(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                      mm_token_type_ids=(full == engine.image_token_id).long())
+    engine.model.model.rope_deltas = None
+    with torch.no_grad():
+        logits = engine.model(input_ids=full, attention_mask=torch.ones_like(full), **kwargs).logits[0].float()
+    L = prompt.shape[1]
+    logp = torch.log_softmax(logits[L - 1:] / req.sampling.logprob_temperature, dim=-1)
+    return [float(logp[j, t]) for j, t in enumerate(output_ids)]
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.0, max_new_tokens=12),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=16, seed=3),
+], ids=["greedy", "sampled"])
+def test_logprobs_equal_teacher_forced_forward(engine, images, sampling):
+    reqs = _requests(engine, images, sampling)
+    results = engine.generate_sync(reqs)
+    worst = 0.0
+    for req, res in zip(reqs, results):
+        assert len(res.logprobs) == len(res.output_ids) > 0
+        ref = _teacher_forced(engine, req, res.output_ids)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, res.logprobs)))
+    assert worst <= TOL, worst
+
+
+def test_greedy_is_batch_invariant(engine, images):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    reqs = _requests(engine, images, sp)
+    solo = [engine.generate_sync([r])[0] for r in reqs]
+    batches = [reqs[::-1], [reqs[2], reqs[0], reqs[2], reqs[1], reqs[3], reqs[0]]]
+    for batch in batches:
+        out = engine.generate_sync(batch)
+        for req, res in zip(batch, out):
+            ref = solo[reqs.index(req)]
+            assert res.output_ids == ref.output_ids
+            assert res.prompt_ids == ref.prompt_ids
+            assert max(abs(a - b) for a, b in zip(res.logprobs, ref.logprobs)) <= TOL
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine, images):
+    base = _requests(engine, images, SamplingParams(temperature=1.0, max_new_tokens=12))
+    reqs = [r.replace(sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=100 + i))
+            for i, r in enumerate(base)]
+    a = engine.generate_sync(reqs)
+    b = engine.generate_sync(reqs[::-1])[::-1]
+    c = [engine.generate_sync([r])[0] for r in reqs]
+    for x, y, z in zip(a, b, c):
+        assert x.output_ids == y.output_ids == z.output_ids
+    other = engine.generate_sync([reqs[0].replace(sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=7))])
+    assert other[0].output_ids != a[0].output_ids
+
+
+def test_stop_token_ids_stop_strings_and_length(engine, images):
+    req = _requests(engine, images, SamplingParams(temperature=1.0, max_new_tokens=20, seed=11))[1]
+    free = engine.generate_sync([req])[0]
+    assert free.finish_reason == "length" and len(free.output_ids) == 20 and free.truncated
+
+    stop_tok = free.output_ids[5]
+    first = free.output_ids.index(stop_tok)
+    r = engine.generate_sync([req.replace(sampling=SamplingParams(temperature=1.0, max_new_tokens=20, seed=11,
+                                                                  stop_token_ids=(stop_tok,)))])[0]
+    assert r.finish_reason == "stop" and r.matched_stop == stop_tok
+    assert r.output_ids == free.output_ids[:first + 1]  # the stop token is kept in output_ids
+    assert r.text == engine.tokenizer.decode(free.output_ids[:first], skip_special_tokens=True)
+
+    full_text = free.text
+    stop = full_text[len(full_text) // 2:len(full_text) // 2 + 3]
+    assert stop and stop.strip()
+    r = engine.generate_sync([req.replace(sampling=SamplingParams(temperature=1.0, max_new_tokens=20, seed=11,
+                                                                  stop=(stop,)))])[0]
+    assert r.finish_reason == "stop" and r.matched_stop == stop
+    assert r.text == full_text[:full_text.find(stop)]
+    assert free.output_ids[:len(r.output_ids)] == r.output_ids and len(r.output_ids) < 20
+
+    eos = next(iter(engine.eos_token_ids))
+    assert eos in engine.eos_token_ids and engine.tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.eos_token_ids
+
+
+def test_input_ids_with_placeholders_match_text(engine, images):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    text = _prompt(engine, "How many?", 1)
+    by_text = engine.generate_sync([GenerateRequest(text=text, images=(images[0],), sampling=sp)])[0]
+    ids = engine.tokenizer(text)["input_ids"]  # one <|image_pad|> per image: the engine expands it
+    assert ids.count(engine.image_token_id) == 1
+    by_ids = engine.generate_sync([GenerateRequest(input_ids=ids, images=(images[0],), sampling=sp)])[0]
+    expanded = engine.generate_sync([GenerateRequest(input_ids=by_text.prompt_ids, images=(images[0],),
+                                                     sampling=sp)])[0]
+    assert by_ids.prompt_ids == by_text.prompt_ids == expanded.prompt_ids
+    assert by_ids.output_ids == by_text.output_ids == expanded.output_ids
+
+
+def test_bad_request_fails_alone(engine, images):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    good = GenerateRequest(text=_prompt(engine, "hi", 0), sampling=sp)
+    bad = GenerateRequest(text=_prompt(engine, "hi", 0), images=(images[0],), sampling=sp)  # no placeholder
+    out = engine.generate_sync([good, bad])
+    assert out[0].output_ids and isinstance(out[1], Exception)
+
+    async def both():
+        return await asyncio.gather(engine.generate([good]), engine.generate([bad]), return_exceptions=True)
+
+    a, b = asyncio.run(both())
+    assert a[0].output_ids == out[0].output_ids and isinstance(b, Exception)
+
+
+def test_async_calls_are_coalesced_and_equal_sync(engine, images):
+    reqs = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=6))
+    ref = engine.generate_sync(reqs)
+    before = engine.stats["batches"]
+
+    async def many():
+        return await asyncio.gather(*(engine.generate([r]) for r in reqs * 3))
+
+    out = asyncio.run(many())
+    assert engine.stats["batches"] - before < len(reqs) * 3  # coalesced
+    for i, o in enumerate(out):
+        assert o[0].output_ids == ref[i % len(reqs)].output_ids
+
+
+def test_weight_update_release_resume(engine, images, tiny_checkpoint):
+    from vlmrl.models.names import to_checkpoint_name
+
+    req = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    before = engine.generate_sync([req])[0]
+    sd = engine.model.state_dict()
+    originals = [(to_checkpoint_name(k), v.clone()) for k, v in sd.items()]
+    try:
+        asyncio.run(engine.release_memory_occupation())
+        assert not asyncio.run(engine.health())
+        assert isinstance(engine.generate_sync([req])[0], Exception)
+        asyncio.run(engine.resume_memory_occupation())
+        changed = [(n, v * 1.5) for n, v in originals if n.startswith("model.layers.")]
+        asyncio.run(engine.update_weights_from_tensor(changed, bucket_bytes=64 << 10, weight_version="v1"))
+        after = engine.generate_sync([req])[0]
+        assert after.weight_version == "v1"
+        assert after.logprobs != before.logprobs
+    finally:
+        asyncio.run(engine.update_weights_from_tensor(originals, weight_version="0"))
+    restored = engine.generate_sync([req])[0]
+    assert restored.output_ids == before.output_ids and restored.logprobs == before.logprobs
+
+
+def test_ray_actor(tiny_checkpoint, tiny_config, monkeypatch, engine, images):
+    ray = pytest.importorskip("ray")
+    from vlmrl.rollout.embedded import RayEngine, create_embedded_actor
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    # Ray's unix socket paths must stay under 108 bytes: pytest's tmp_path is too deep
+    ray_dir = tempfile.mkdtemp(prefix="vlmrl-ray-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_dir, log_to_driver=False,
+             configure_logging=False)
+    try:
+        d = tiny_config.data
+        actor = create_embedded_actor(tiny_checkpoint, num_cpus=0.5, min_pixels=d.min_pixels,
+                                      max_pixels=d.max_pixels)
+        remote = RayEngine(actor, name="embedded-ray")
+        reqs = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=6))
+
+        async def go():
+            assert await remote.health()
+            return await remote.generate(reqs)
+
+        out = asyncio.run(go())
+        ref = engine.generate_sync(reqs)
+        for a, b in zip(out, ref):
+            assert a.output_ids == b.output_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= TOL
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)

@@ -1,0 +1,297 @@
+"""The SGLang client driving the embedded engine's HTTP server on loopback (real HTTP):
+generation with images and logprobs, SGLang's reply shapes, errors and retries, weight
+updates through /update_weights_from_tensor and /update_weights_from_distributed (gloo),
+memory release / resume, and `python -m vlmrl.rollout.serve` as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmrl.data.images import encode_data_uri as encode_image_data_uri
+from vlmrl.models.names import to_checkpoint_name
+from vlmrl.rollout.client import HTTPEngine
+from vlmrl.rollout.embedded import EmbeddedEngine
+from vlmrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from vlmrl.rollout.server import ThreadedServer
+
+TOL = 1e-5
+
+
+def _image(w: int, h: int, color: tuple[int, int, int]) -> str:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (w, h), color)
+    ImageDraw.Draw(img).ellipse([w // 5, h // 5, w // 2, h // 2], fill=(30, 255 - color[1], 90))
+    return encode_image_data_uri(img)
+
+
+def _prompt(tokenizer_or_proc, text: str, n_images: int = 0) -> str:
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+    return tokenizer_or_proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                 tokenize=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict | list | None]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint, tiny_config) -> EmbeddedEngine:
+    d = tiny_config.data
+    return EmbeddedEngine(tiny_checkpoint, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ThreadedServer(engine) as srv:
+        yield srv
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_client_generate_with_images_matches_engine(engine, server):
+    img = _image(112, 84, (200, 20, 20))
+    reqs = [GenerateRequest(text=_prompt(engine.processor, f"How many circles? {i}", 1), images=(img,),
+                            sampling=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=i))
+            for i in range(6)]
+
+    async def go():
+        client = HTTPEngine(server.url, max_concurrency=4, max_retries=1)
+        try:
+            return await client.generate(reqs)
+        finally:
+            await client.close()
+
+    out = _run(go())
+    local = engine.generate_sync(reqs)
+    for a, b in zip(out, local):
+        assert a.output_ids == b.output_ids and len(a.logprobs) == len(a.output_ids) == 10
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= TOL
+        assert a.prompt_ids == b.prompt_ids and a.prompt_tokens == len(a.prompt_ids)
+        assert a.finish_reason == "length" and a.truncated
+
+
+def test_reply_shapes_single_and_batch(engine, server):
+    img = _image(56, 56, (0, 200, 0))
+    text = _prompt(engine.processor, "area?", 1)
+    status, single = _post(server.url + "/generate", {
+        "text": text, "image_data": img, "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 5, "stop_token_ids": [2]}})
+    assert status == 200 and set(single) >= {"text", "output_ids", "meta_info"}
+    meta = single["meta_info"]
+    assert meta["completion_tokens"] == len(single["output_ids"]) == len(meta["output_token_logprobs"])
+    assert all(len(e) == 3 and e[1] == t and e[2] is None and e[0] <= 0
+               for e, t in zip(meta["output_token_logprobs"], single["output_ids"]))
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["prompt_tokens"] > 10
+
+    status, batch = _post(server.url + "/generate", {
+        "text": [text, _prompt(engine.processor, "no image")], "image_data": [[img], None],
+        "return_logprob": [True, False], "sampling_params": {"temperature": 0, "max_new_tokens": 5}})
+    assert status == 200 and isinstance(batch, list) and len(batch) == 2
+    assert batch[0]["output_ids"] == single["output_ids"][:5]
+    assert "output_token_logprobs" not in batch[1]["meta_info"]
+
+    ids = engine.tokenizer(_prompt(engine.processor, "no image"))["input_ids"]
+    status, by_ids = _post(server.url + "/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 5}, "return_prompt_token_ids": True})
+    assert status == 200 and by_ids["output_ids"] == batch[1]["output_ids"] and by_ids["prompt_token_ids"] == ids
+
+
+def test_errors_are_not_retried_but_transport_failures_are(engine, server):
+    async def go():
+        client = HTTPEngine(server.url, max_retries=3, backoff_s=0.01)
+        bad = GenerateRequest(text="no placeholder", images=(_image(28, 28, (1, 2, 3)),))
+        with pytest.raises(EngineError) as ei:
+            await client.generate([bad])
+        assert ei.value.status == 400 and not ei.value.retryable and client.stats["retries"] == 0
+        await client.close()
+
+        dead = HTTPEngine(f"http://127.0.0.1:{_free_port()}", max_retries=2, backoff_s=0.01)
+        with pytest.raises(EngineError) as ei:
+            await dead.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
+        assert ei.value.retryable and dead.stats["retries"] >= 2
+        assert not await dead.health()
+        await dead.close()
+
+    _run(go())
+
+
+def _perturbed_checkpoint(src: str, dst: Path) -> tuple[Path, list[tuple[str, torch.Tensor]]]:
+    """A copy of the tiny checkpoint with new weights; returns (dir, named HF tensors)."""
+    import transformers
+
+    shutil.copytree(src, dst)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(src)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(dst)
+    named = [(to_checkpoint_name(k), v.detach().clone()) for k, v in model.state_dict().items()]
+    return dst, named
+
+
+def test_weight_update_through_http_matches_fresh_model(engine, server, tiny_checkpoint, tiny_config, tmp_path):
+    new_dir, named = _perturbed_checkpoint(tiny_checkpoint, tmp_path / "new")
+    img = _image(84, 112, (30, 30, 220))
+    reqs = [GenerateRequest(text=_prompt(engine.processor, "What is the value of x?", 1), images=(img,),
+                            sampling=SamplingParams(temperature=0.0, max_new_tokens=8)),
+            GenerateRequest(text=_prompt(engine.processor, "Compute the perimeter."),
+                            sampling=SamplingParams(temperature=0.8, max_new_tokens=8, seed=5))]
+    original = [(to_checkpoint_name(k), v.clone()) for k, v in engine.model.state_dict().items()]
+    before = engine.generate_sync(reqs)
+
+    async def update(tensors, version):
+        client = HTTPEngine(server.url)
+        try:
+            await client.update_weights_from_tensor(tensors, bucket_bytes=256 << 10, weight_version=version)
+            return await client.generate(reqs), (await client.get_model_info())["weight_version"]
+        finally:
+            await client.close()
+
+    try:
+        after, version = _run(update(named, "step-1"))
+        assert version == "step-1" and all(r.weight_version == "step-1" for r in after)
+        d = tiny_config.data
+        fresh = EmbeddedEngine(str(new_dir), min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        ref = fresh.generate_sync(reqs)
+        for a, b, old in zip(after, ref, before):
+            assert a.output_ids == b.output_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= TOL
+            assert max(abs(x - y) for x, y in zip(a.logprobs, old.logprobs)) > 1e-3
+    finally:
+        _run(update(original, "0"))
+    assert engine.generate_sync(reqs)[0].output_ids == before[0].output_ids
+
+
+_TRAINER = """
+import asyncio, sys
+from safetensors.torch import load_file
+from vlmrl.rollout.client import HTTPEngine
+from vlmrl.rollout.sglang import init_weights_update_group_all, update_weights_distributed
+
+url, port, path, flattened = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+named = sorted(load_file(path).items())
+
+async def main():
+    client = HTTPEngine(url)
+    group = await init_weights_update_group_all([client], "127.0.0.1", port, backend="gloo",
+                                                group_name="vlmrl-test", timeout_s=60)
+    await update_weights_distributed([client], group, named, bucket_bytes=512 << 10, group_name="vlmrl-test",
+                                     flattened=flattened, weight_version="dist")
+    await client.destroy_weights_update_group("vlmrl-test")
+    await client.close()
+
+asyncio.run(main())
+print("trainer done")
+"""
+
+
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
+def test_weight_update_from_distributed_over_gloo(engine, server, tiny_checkpoint, tmp_path, flattened):
+    """The separate-GPU path, run over gloo on CPU: a trainer process (rank 0) and the
+    embedded server (rank 1) form the group, then per bucket the server receives
+    /update_weights_from_distributed while the trainer broadcasts."""
+    from safetensors.torch import load_file
+
+    from vlmrl.models.names import to_module_name
+
+    new_dir, _ = _perturbed_checkpoint(tiny_checkpoint, tmp_path / "new")
+    original = [(to_checkpoint_name(k), v.clone()) for k, v in engine.model.state_dict().items()]
+    req = GenerateRequest(text=_prompt(engine.processor, "Find x."),
+                          sampling=SamplingParams(temperature=0.0, max_new_tokens=6))
+    before = engine.generate_sync([req])[0]
+    try:
+        proc = subprocess.run([sys.executable, "-c", _TRAINER, server.url, str(_free_port()),
+                               str(new_dir / "model.safetensors"), "1" if flattened else "0"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "trainer done" in proc.stdout, proc.stdout + proc.stderr
+        sd = engine.model.state_dict()
+        sent = load_file(str(new_dir / "model.safetensors"))
+        assert len(sent) > 50
+        for n, t in sent.items():
+            assert torch.equal(sd[to_module_name(n)], t), n
+        assert engine.weight_version == "dist"
+    finally:
+        _run(engine.update_weights_from_tensor(original, weight_version="0"))
+    assert engine.generate_sync([req])[0].output_ids == before.output_ids
+
+
+def test_control_endpoints(engine, server):
+    async def go():
+        client = HTTPEngine(server.url, max_retries=0)
+        try:
+            assert await client.health() and await client.health_generate()
+            info = await client.get_model_info()
+            assert info["is_generation"] and info["model_path"] == engine.model_path
+            await client.release_memory_occupation()
+            assert not await client.health()
+            with pytest.raises(EngineError):
+                await client.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
+            await client.resume_memory_occupation()
+            assert await client.health()
+            await client.flush_cache()
+        finally:
+            await client.close()
+
+    _run(go())
+
+
+def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, engine):
+    port = _free_port()
+    d = tiny_config.data
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", str(port),
+           "--min-pixels", str(d.min_pixels), "--max-pixels", str(d.max_pixels)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert any("listening on" in x for x in lines), "".join(lines)
+        status, reply = _post(f"http://127.0.0.1:{port}/generate", {
+            "text": _prompt(engine.processor, "How many sides?", 1), "image_data": [_image(70, 70, (90, 0, 90))],
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 3},
+            "return_logprob": True})
+        assert status == 200, reply
+        lps = reply["meta_info"]["output_token_logprobs"]
+        assert len(reply["output_ids"]) == len(lps) == reply["meta_info"]["completion_tokens"] > 0
+        assert all(isinstance(e[0], float) and e[0] <= 0 for e in lps)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,273 @@
+"""One async HTTP client for SGLang's native protocol (SGLang servers and the embedded one).
+
+`HTTPEngine` implements the `Engine` protocol over HTTP: bounded concurrency (a semaphore
+and a connection pool of the same size), per-call timeouts, and retries with exponential
+backoff and jitter for transient failures (connection errors, timeouts, HTTP 429/5xx, and
+requests the server aborted). Client errors (HTTP 4xx) fail at once.
+
+Weight payloads depend on the server: `tensor_format="torch_save"` (the embedded server:
+base64 of torch.save'd (name, tensor) lists, tensors copied) or `"ipc"` (SGLang colocated
+on the same GPUs: CUDA IPC handles, see `vlmrl.rollout.sglang.serialize_ipc`), with one
+entry per tensor-parallel rank of the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .protocol import (
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    bucketize,
+    request_to_sglang,
+    result_from_sglang,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class HTTPEngine:
+    """An engine behind SGLang's HTTP API (see module docstring)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        max_concurrency: int = 256,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        tensor_format: str = "torch_save",
+        tp_size: int = 1,
+        admin_timeout_s: float = 1800.0,
+    ) -> None:
+        if tensor_format not in ("torch_save", "ipc"):
+            raise ValueError(f"tensor_format must be 'torch_save' or 'ipc', not {tensor_format!r}")
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url
+        self.max_concurrency = int(max_concurrency)
+        self.timeout_s = float(timeout_s)
+        self.admin_timeout_s = float(admin_timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.tensor_format = tensor_format
+        self.tp_size = int(tp_size)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._session: Any = None
+        self._sem: asyncio.Semaphore | None = None
+        self.stats = {"requests": 0, "retries": 0, "failures": 0}
+
+    def __repr__(self) -> str:
+        return f"HTTPEngine({self.base_url!r})"
+
+    # ----------------------------------------------------------------- plumbing
+    def _ensure(self) -> tuple[Any, asyncio.Semaphore]:
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            # a session belongs to one event loop (callers may use asyncio.run per step)
+            self._loop = loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+        assert self._sem is not None
+        return self._session, self._sem
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+    async def _call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None,
+                    retries: int | None = None, expect_json: bool = True) -> Any:
+        """One HTTP call with retries; returns the decoded JSON (or text) of a 2xx reply."""
+        import aiohttp
+
+        session, sem = self._ensure()
+        retries = self.max_retries if retries is None else retries
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        url = self.base_url + path
+        last: EngineError | None = None
+        for attempt in range(retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+                await asyncio.sleep(self._backoff(attempt - 1))
+            try:
+                async with sem, session.request(method, url, json=body, timeout=timeout) as resp:
+                    text = await resp.text()
+                    if 200 <= resp.status < 300:
+                        if not expect_json:
+                            return text
+                        try:
+                            return await resp.json(content_type=None) if text else None
+                        except ValueError:
+                            return text
+                    msg = _error_message(text)
+                    err = EngineError(f"{method} {url}: HTTP {resp.status}: {msg}",
+                                      retryable=resp.status in RETRY_STATUSES, status=resp.status)
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+                err = EngineError(f"{method} {url}: {type(e).__name__}: {e}", retryable=True)
+            last = err
+            if not err.retryable:
+                break
+            log.debug("retrying %s (attempt %d): %s", url, attempt + 1, err)
+        self.stats["failures"] += 1
+        assert last is not None
+        raise last
+
+    # ----------------------------------------------------------------- generation
+    async def generate_one(self, req: GenerateRequest) -> GenerateResult:
+        body = request_to_sglang(req)
+        self.stats["requests"] += 1
+        last: EngineError | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+                await asyncio.sleep(self._backoff(attempt - 1))
+            reply = await self._call("POST", "/generate", body, retries=self.max_retries - attempt)
+            if isinstance(reply, list):
+                reply = reply[0]
+            if not isinstance(reply, dict):
+                raise EngineError(f"/generate answered {str(reply)[:200]!r}", retryable=False)
+            try:
+                return result_from_sglang(reply, rid=req.rid)
+            except EngineError as e:  # aborted by the server: retry
+                last = e
+                if not e.retryable:
+                    raise
+        assert last is not None
+        raise last
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        return list(await asyncio.gather(*(self.generate_one(r) for r in requests)))
+
+    # ----------------------------------------------------------------- weights
+    def serialize(self, bucket: list[tuple[str, Any]]) -> list[str]:
+        """`serialized_named_tensors` for one bucket: one base64 string per TP rank."""
+        if self.tensor_format == "ipc":
+            from .sglang import serialize_ipc
+
+            entry = base64.b64encode(serialize_ipc(bucket)).decode()
+        else:
+            from .server import encode_torch_payload
+
+            entry = encode_torch_payload(bucket)
+        return [entry] * self.tp_size
+
+    async def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await self._call("POST", path, body, timeout_s=self.admin_timeout_s, retries=0)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineError(f"{path} failed on {self.name}: {reply.get('message')}", retryable=False)
+        return reply if isinstance(reply, dict) else {}
+
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, Any]], *,
+                                         bucket_bytes: int | None = None, flush_cache: bool = True,
+                                         weight_version: str | None = None) -> None:
+        buckets = list(bucketize(named_tensors, bucket_bytes))
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            payload = await asyncio.to_thread(self.serialize, bucket)
+            await self._checked("/update_weights_from_tensor", {
+                "serialized_named_tensors": payload,
+                "load_format": None,
+                "flush_cache": bool(flush_cache and last),
+                "weight_version": weight_version if last else None,
+            })
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> None:
+        await self._checked("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> None:
+        await self._checked("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": weight_version, "load_format": load_format})
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    # ----------------------------------------------------------------- control
+    async def release_memory_occupation(self) -> None:
+        await self._call("POST", "/release_memory_occupation", {}, timeout_s=self.admin_timeout_s, retries=0)
+
+    async def resume_memory_occupation(self) -> None:
+        await self._call("POST", "/resume_memory_occupation", {}, timeout_s=self.admin_timeout_s, retries=0)
+
+    async def flush_cache(self) -> None:
+        await self._call("POST", "/flush_cache", None, expect_json=False)
+
+    async def health(self, *, timeout_s: float = 5.0) -> bool:
+        try:
+            await self._call("GET", "/health", None, timeout_s=timeout_s, retries=0, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self, *, timeout_s: float = 60.0) -> bool:
+        try:
+            await self._call("GET", "/health_generate", None, timeout_s=timeout_s, retries=0, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._call("GET", "/get_model_info", None)
+
+    async def wait_healthy(self, timeout_s: float, *, poll_s: float = 1.0, is_alive: Any = None) -> None:
+        """Poll /health until it answers 200; `is_alive()` False (a dead server process) or
+        the timeout raise EngineError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self.health(timeout_s=min(5.0, max(poll_s, 1.0))):
+                return
+            if is_alive is not None and not is_alive():
+                raise EngineError(f"{self.name}: server process exited before becoming healthy", retryable=False)
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: not healthy after {timeout_s:.0f} s", retryable=False)
+            await asyncio.sleep(poll_s)
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            try:
+                if self._loop is asyncio.get_running_loop():
+                    await self._session.close()
+            except RuntimeError:
+                pass
+        self._session = None
+
+
+def _error_message(text: str) -> str:
+    import json
+
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(d, dict):
+        err = d.get("error", d.get("message", d))
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:500]
+        return str(err)[:500]
+    return text[:500]
+
+
+SGLangClient = HTTPEngine  # the same client talks to SGLang and to the embedded server

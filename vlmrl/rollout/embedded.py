@@ -1,0 +1,631 @@
+"""The embedded engine: an HF transformers VLM with its own decode loop, the CPU default.
+
+`EmbeddedEngine` loads a checkpoint with `AutoModelForImageTextToText` and the project's
+`load_processor` (same pixel bounds as training), and generates with a KV cache:
+
+* Requests are batched with LEFT padding. Each request's 3D M-RoPE positions are computed
+  from its own unpadded tokens (`get_rope_index` for prompts with images, arange for
+  text) and placed under its tokens; pad slots are masked out. Decode positions continue
+  from max(prompt positions) + 1 per row (Qwen's rope delta), so nothing in a row depends
+  on its batch companions: no shared `rope_deltas` state on the model is used.
+* Image features are computed per request (identical prompts in one batch share them)
+  and scattered over that request's image tokens.
+* Logprobs follow the contract in `protocol.py`: log_softmax(logits.float() / T) at the
+  sampled token, T = temperature (1 for greedy); top-p / top-k only restrict sampling.
+* Each request samples with its own torch.Generator (seeded by `sampling.seed`), so a
+  seeded request gives the same tokens whatever else is in its batch.
+* Rows that finish leave the batch (their KV cache rows are dropped).
+
+Batch invariance holds up to floating-point rounding: CPU GEMMs reduce differently for
+different batch sizes (e.g. gemv for one row), so logprobs of a request in different
+batches agree to ~1e-6 in fp32, not bit for bit (tests check <= 1e-5 and identical
+greedy tokens).
+
+`generate` (async) feeds a micro-batcher: concurrent callers (the HTTP server, the
+rollout manager) are coalesced into batches of at most `max_batch_size`, run in a worker
+thread. `EmbeddedEngineActor` / `create_embedded_actor` put the engine in a Ray actor and
+`RayEngine` is the `Engine` view of such an actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import math
+import random
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .protocol import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    bucketize,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- images
+def load_image(src: Any, *, timeout_s: float = 10.0) -> Any:
+    """A PIL RGB image from a request's image entry (data URI, URL, file path, bytes, PIL).
+
+    SGLang also accepts bare base64 strings; so does this. Failures are non-retryable
+    request errors (HTTP 400)."""
+    from ..data.images import ImageError, decode_image
+
+    if isinstance(src, str) and not src.startswith(("data:", "http://", "https://", "file://")) \
+            and not Path(src).exists():
+        try:
+            src = base64.b64decode(src, validate=True)
+        except ValueError as e:
+            raise EngineError(f"cannot read image {src[:60]!r}", retryable=False, status=400) from e
+    try:
+        return decode_image(src, timeout_s=timeout_s)
+    except ImageError as e:
+        raise EngineError(str(e), retryable=False, status=400) from e
+
+
+# --------------------------------------------------------------------------- engine
+@dataclass
+class _Prepared:
+    key: Any
+    ids: Any  # LongTensor [L] (image tokens expanded)
+    positions: Any  # LongTensor [3, L]
+    next_position: int  # position of the first generated token
+    pixel_values: Any | None
+    image_grid_thw: Any | None
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class _Row:
+    index: int  # position in the batch's request list
+    params: SamplingParams
+    generator: Any
+    out_ids: list[int]
+    logprobs: list[float]
+    finish: str | None = None
+    matched: int | str | None = None
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "fp16": torch.float16}[str(name)]
+
+
+class EmbeddedEngine:
+    """HF transformers engine implementing the `Engine` protocol (see module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        max_batch_size: int = 64,
+        name: str = "embedded-0",
+        attn_implementation: str = "sdpa",
+        batch_wait_s: float = 0.002,
+        prompt_cache_size: int = 1024,
+        model: Any = None,
+        processor: Any = None,
+    ) -> None:
+        import torch
+        import transformers
+
+        from ..models.processor import load_processor
+
+        self.name = name
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.dtype = _dtype(dtype)
+        self.max_batch_size = int(max_batch_size)
+        self.batch_wait_s = float(batch_wait_s)
+        self.processor = processor or load_processor(self.model_path, min_pixels=min_pixels, max_pixels=max_pixels)
+        self.tokenizer = self.processor.tokenizer
+        if model is None:
+            model = transformers.AutoModelForImageTextToText.from_pretrained(
+                self.model_path, dtype=self.dtype, attn_implementation=attn_implementation)
+        self.model = model.to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        cfg = self.model.config
+        self.image_token_id = int(cfg.image_token_id)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.merge_size = int(cfg.vision_config.spatial_merge_size)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        eos: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            eos.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            eos.add(im_end)
+        self.eos_token_ids = frozenset(eos)
+        # transformers 5.2x renamed forward's `past_key_values` to `cache` (old name deprecated)
+        import inspect
+
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.weight_version = "0"
+        self.released = False
+        self._lock = threading.Lock()  # one batch (or weight update) at a time
+        self._prompt_cache: OrderedDict[Any, _Prepared] = OrderedDict()
+        self._prompt_cache_size = int(prompt_cache_size)
+        self._batcher: _Batcher | None = None
+        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0}
+
+    # ----------------------------------------------------------------- preparation
+    def _prepare(self, req: GenerateRequest) -> _Prepared:
+        import torch
+
+        key = (req.text, req.input_ids, req.images)
+        hit = self._prompt_cache.get(key)
+        if hit is not None:
+            self._prompt_cache.move_to_end(key)
+            return hit
+        images = [load_image(s) for s in req.images]
+        pixel_values = grid = None
+        if req.text is not None:
+            n_placeholders = req.text.count(self.image_token)
+            if n_placeholders != len(images):
+                raise EngineError(
+                    f"prompt text has {n_placeholders} image placeholders ({self.image_token}) "
+                    f"but {len(images)} images were sent", retryable=False, status=400)
+            enc = self.processor(text=[req.text], images=images or None, return_tensors="pt")
+            ids = enc["input_ids"][0]
+            if images:
+                pixel_values, grid = enc["pixel_values"], enc["image_grid_thw"]
+        else:
+            ids = torch.tensor(req.input_ids, dtype=torch.long)
+            if images:
+                enc = self.processor.image_processor(images=images, return_tensors="pt")
+                pixel_values, grid = enc["pixel_values"], enc["image_grid_thw"]
+                counts = (grid.prod(-1) // self.merge_size**2).tolist()
+                n_tok = int((ids == self.image_token_id).sum())
+                if n_tok == len(images) and sum(counts) != n_tok:
+                    parts, k = [], 0
+                    for t in ids.tolist():
+                        if t == self.image_token_id:
+                            parts.extend([t] * counts[k])
+                            k += 1
+                        else:
+                            parts.append(t)
+                    ids = torch.tensor(parts, dtype=torch.long)
+                elif n_tok != sum(counts):
+                    raise EngineError(f"input_ids hold {n_tok} image tokens; {len(images)} images need "
+                                      f"{len(images)} placeholders or {sum(counts)} expanded tokens",
+                                      retryable=False, status=400)
+        if ids.numel() == 0:
+            raise EngineError("empty prompt", retryable=False, status=400)
+        if grid is not None:
+            mm = (ids == self.image_token_id).long()[None]
+            pos, _ = self.model.model.get_rope_index(ids[None], mm_token_type_ids=mm, image_grid_thw=grid)
+            positions = pos[:, 0].cpu()
+        else:
+            positions = torch.arange(ids.numel()).view(1, -1).expand(3, -1)
+        prep = _Prepared(key, ids, positions, int(positions.max()) + 1, pixel_values, grid)
+        self._prompt_cache[key] = prep
+        while len(self._prompt_cache) > self._prompt_cache_size:
+            self._prompt_cache.popitem(last=False)
+        return prep
+
+    # ----------------------------------------------------------------- decode loop
+    def _image_features(self, prep: _Prepared) -> Any:
+        import torch
+
+        out = self.model.model.get_image_features(prep.pixel_values.to(self.device), prep.image_grid_thw.to(self.device))
+        return torch.cat(list(out.pooler_output), dim=0)
+
+    def _sample(self, logits: Any, rows: list[_Row]) -> tuple[list[int], list[float]]:
+        import torch
+
+        x = logits.float()
+        temps = torch.tensor([r.params.logprob_temperature for r in rows], dtype=torch.float32, device=x.device)
+        logp = torch.log_softmax(x / temps[:, None], dim=-1)
+        tokens: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.greedy:
+                tokens.append(int(torch.argmax(logp[i])))
+                continue
+            lp = logp[i]
+            if p.top_k and 0 < p.top_k < lp.numel():
+                kth = torch.topk(lp, p.top_k).values[-1]
+                lp = lp.masked_fill(lp < kth, -math.inf)
+            if p.top_p < 1.0:
+                sorted_lp, order = torch.sort(lp, descending=True)
+                probs = sorted_lp.exp()
+                drop = (probs.cumsum(-1) - probs) > p.top_p  # keeps the first token always
+                lp = lp.clone()
+                lp[order[drop]] = -math.inf
+            probs = torch.softmax(lp, dim=-1)
+            tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+        idx = torch.tensor(tokens, device=x.device)
+        chosen = logp.gather(1, idx[:, None])[:, 0].tolist()
+        return tokens, chosen
+
+    def _check_finish(self, r: _Row) -> None:
+        t = r.out_ids[-1]
+        p = r.params
+        if not p.ignore_eos and t in self.eos_token_ids:
+            r.finish, r.matched = FINISH_STOP, t
+        elif t in p.stop_token_ids:
+            r.finish, r.matched = FINISH_STOP, t
+        elif p.stop:
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(r.out_ids[-(longest + 8):], skip_special_tokens=True)
+            for s in p.stop:
+                if s in tail:
+                    r.finish, r.matched = FINISH_STOP, s
+                    break
+        if r.finish is None and len(r.out_ids) >= p.max_new_tokens:
+            r.finish = FINISH_LENGTH
+
+    def _text(self, r: _Row) -> str:
+        ids = r.out_ids[:-1] if isinstance(r.matched, int) and r.out_ids else r.out_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if isinstance(r.matched, str):
+            pos = text.find(r.matched)
+            if pos >= 0:
+                text = text[:pos]
+        return text
+
+    def _make_generator(self, seed: int | None) -> Any:
+        import torch
+
+        g = torch.Generator(device=self.device)
+        g.manual_seed(int(seed) if seed is not None else random.SystemRandom().randrange(1 << 62))
+        return g
+
+    def _run_batch(self, preps: list[_Prepared], params: list[SamplingParams]) -> list[_Row]:
+        import torch
+        from transformers import DynamicCache
+
+        dev = self.device
+        B = len(preps)
+        P = max(p.length for p in preps)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        pos = torch.zeros((3, B, P), dtype=torch.long)
+        for i, p in enumerate(preps):
+            L = p.length
+            ids[i, P - L:] = p.ids
+            mask[i, P - L:] = 1
+            pos[:, i, P - L:] = p.positions
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        embeds = self.model.get_input_embeddings()(ids)
+        feats: dict[Any, Any] = {}
+        for i, p in enumerate(preps):
+            if p.pixel_values is None:
+                continue
+            if p.key not in feats:
+                feats[p.key] = self._image_features(p)
+            where = ids[i] == self.image_token_id
+            embeds[i, where] = feats[p.key].to(embeds.dtype)
+        rows = [_Row(i, sp, self._make_generator(sp.seed), [], []) for i, sp in enumerate(params)]
+        for r in rows:
+            if r.params.max_new_tokens <= 0:
+                r.finish = FINISH_LENGTH
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
+        logits = out.logits[:, -1]
+        cur_pos = torch.tensor([p.next_position for p in preps], dtype=torch.long, device=dev)
+        live = list(rows)
+        tokens: list[int] = []
+        while True:
+            keep = [k for k, r in enumerate(live) if r.finish is None]
+            if not keep:
+                break
+            if len(keep) < len(live):  # finished rows leave the batch
+                idx = torch.tensor(keep, device=dev)
+                for layer in cache.layers:
+                    layer.batch_select_indices(idx)
+                live = [live[k] for k in keep]
+                logits, mask, cur_pos = logits[idx], mask[idx], cur_pos[idx]
+                tokens = [tokens[k] for k in keep] if tokens else tokens
+            if tokens:  # feed the tokens sampled last step
+                mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=dev)], dim=1)
+                step_ids = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]
+                out = self.model(input_ids=step_ids, attention_mask=mask,
+                                 position_ids=cur_pos.view(1, -1, 1).expand(3, -1, 1), use_cache=True,
+                                 logits_to_keep=1, **{self._cache_kw: cache})
+                logits = out.logits[:, -1]
+                cur_pos = cur_pos + 1
+            tokens, lps = self._sample(logits, live)
+            for r, t, lp in zip(live, tokens, lps):
+                r.out_ids.append(t)
+                r.logprobs.append(lp)
+                self._check_finish(r)
+        return rows
+
+    # ----------------------------------------------------------------- sync API
+    def generate_sync(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult | BaseException]:
+        """Run requests now (in chunks of max_batch_size); a failed request's slot holds its
+        exception, so one bad request does not fail its companions."""
+        import torch
+
+        if self.released:
+            err = EngineError("engine memory is released; call resume_memory_occupation first")
+            return [err for _ in requests]
+        results: list[GenerateResult | BaseException | None] = [None] * len(requests)
+        with self._lock, torch.inference_mode():
+            prepared: list[tuple[int, _Prepared]] = []
+            for i, req in enumerate(requests):
+                try:
+                    prepared.append((i, self._prepare(req)))
+                except BaseException as e:  # noqa: BLE001 (reported per request)
+                    results[i] = e if isinstance(e, EngineError) else EngineError(f"preprocessing failed: {e!r}")
+            # similar lengths together: less padding (results do not depend on grouping)
+            prepared.sort(key=lambda ip: ip[1].length)
+            for s in range(0, len(prepared), self.max_batch_size):
+                chunk = prepared[s:s + self.max_batch_size]
+                try:
+                    rows = self._run_batch([p for _, p in chunk], [requests[i].sampling for i, _ in chunk])
+                except Exception as e:  # noqa: BLE001
+                    log.exception("embedded engine batch failed")
+                    for i, _ in chunk:
+                        results[i] = EngineError(f"generation failed: {e!r}")
+                    continue
+                self.stats["batches"] += 1
+                for (i, prep), r in zip(chunk, rows):
+                    req = requests[i]
+                    self.stats["requests"] += 1
+                    self.stats["generated_tokens"] += len(r.out_ids)
+                    results[i] = GenerateResult(
+                        output_ids=list(r.out_ids),
+                        text=self._text(r),
+                        logprobs=list(r.logprobs) if req.return_logprob else None,
+                        finish_reason=r.finish or FINISH_LENGTH,
+                        prompt_tokens=prep.length,
+                        matched_stop=r.matched,
+                        prompt_ids=prep.ids.tolist(),
+                        rid=req.rid,
+                        weight_version=self.weight_version,
+                    )
+        return results  # type: ignore[return-value]
+
+    def load_named_tensors(self, named_tensors: Sequence[tuple[str, Any]]) -> None:
+        """Copy tensors given by HF checkpoint names into the model (under the engine lock)."""
+        import torch
+
+        from ..models.names import to_module_name
+
+        params = self.model.state_dict(keep_vars=True)
+        with self._lock, torch.no_grad():
+            for name, value in named_tensors:
+                target = params.get(to_module_name(name), params.get(name))
+                if target is None:
+                    raise EngineError(f"unknown parameter {name!r}", retryable=False, status=400)
+                if tuple(target.shape) != tuple(value.shape):
+                    raise EngineError(f"shape mismatch for {name}: engine {tuple(target.shape)}, "
+                                      f"sent {tuple(value.shape)}", retryable=False, status=400)
+                target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+            self._prompt_cache.clear()
+
+    # ----------------------------------------------------------------- Engine protocol
+    def _get_batcher(self) -> _Batcher:
+        loop = asyncio.get_running_loop()
+        if self._batcher is None or self._batcher.loop is not loop or self._batcher.closed:
+            self._batcher = _Batcher(self, loop)
+        return self._batcher
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        futures = self._get_batcher().submit(list(requests))
+        return list(await asyncio.gather(*futures))
+
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, Any]], *,
+                                         bucket_bytes: int | None = None, flush_cache: bool = True,
+                                         weight_version: str | None = None) -> None:
+        for bucket in bucketize(named_tensors, bucket_bytes):
+            await asyncio.to_thread(self.load_named_tensors, bucket)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+
+    async def release_memory_occupation(self) -> None:
+        await asyncio.to_thread(self._release)
+
+    async def resume_memory_occupation(self) -> None:
+        await asyncio.to_thread(self._resume)
+
+    def _release(self) -> None:
+        import torch
+
+        with self._lock:
+            self.released = True
+            self._prompt_cache.clear()
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def _resume(self) -> None:
+        with self._lock:
+            if self.device.type == "cuda":
+                self.model.to(self.device)
+            self.released = False
+
+    async def flush_cache(self) -> None:
+        with self._lock:
+            self._prompt_cache.clear()
+
+    async def health(self) -> bool:
+        return not self.released
+
+    async def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "has_image_understanding": True, "has_audio_understanding": False,
+                "model_type": getattr(self.model.config, "model_type", None),
+                "architectures": getattr(self.model.config, "architectures", None)}
+
+
+class _Batcher:
+    """Coalesces concurrent `generate` calls into batches run in a worker thread."""
+
+    def __init__(self, engine: EmbeddedEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[GenerateRequest, asyncio.Future]] = asyncio.Queue()
+        self.closed = False
+        self.task = loop.create_task(self._run())
+
+    def submit(self, requests: list[GenerateRequest]) -> list[asyncio.Future]:
+        futures = []
+        for req in requests:
+            fut = self.loop.create_future()
+            self.queue.put_nowait((req, fut))
+            futures.append(fut)
+        return futures
+
+    def close(self) -> None:
+        self.closed = True
+        self.task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            first = await self.queue.get()
+            await asyncio.sleep(self.engine.batch_wait_s)  # let concurrent callers join
+            items = [first]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            items = [(r, f) for r, f in items if not f.done()]  # cancelled callers
+            if not items:
+                continue
+            try:
+                results = await asyncio.to_thread(self.engine.generate_sync, [r for r, _ in items])
+            except BaseException as e:  # noqa: BLE001
+                results = [e] * len(items)
+                if isinstance(e, asyncio.CancelledError):
+                    for _, f in items:
+                        if not f.done():
+                            f.cancel()
+                    raise
+            for (_, fut), res in zip(items, results):
+                if fut.done():
+                    continue
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)
+
+
+# --------------------------------------------------------------------------- Ray
+class EmbeddedEngineActor:
+    """Ray actor body: one EmbeddedEngine, optionally serving SGLang's HTTP protocol."""
+
+    def __init__(self, model_path: str, engine_kwargs: dict[str, Any] | None = None) -> None:
+        self.engine = EmbeddedEngine(model_path, **(engine_kwargs or {}))
+        self._server: Any = None
+
+    async def start_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        from .server import start_server
+
+        if self._server is None:
+            self._server = await start_server(self.engine, host, port)
+        return self._server.url
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return await self.engine.generate(requests)
+
+    async def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], bucket_bytes: int | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None) -> None:
+        await self.engine.update_weights_from_tensor(named_tensors, bucket_bytes=bucket_bytes,
+                                                     flush_cache=flush_cache, weight_version=weight_version)
+
+    async def release_memory_occupation(self) -> None:
+        await self.engine.release_memory_occupation()
+
+    async def resume_memory_occupation(self) -> None:
+        await self.engine.resume_memory_occupation()
+
+    async def flush_cache(self) -> None:
+        await self.engine.flush_cache()
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+        await self.engine.close()
+
+
+def create_embedded_actor(model_path: str, *, num_cpus: float = 0.5, num_gpus: float = 0.0,
+                          name: str = "embedded-0", **engine_kwargs: Any) -> Any:
+    """Start an `EmbeddedEngineActor` (Ray must be initialised); returns the actor handle."""
+    import ray
+
+    cls = ray.remote(EmbeddedEngineActor)
+    # Ray runs async actor methods concurrently on one event loop: the batcher coalesces them.
+    return cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000).remote(
+        model_path, {"name": name, **engine_kwargs})
+
+
+class RayEngine:
+    """The `Engine` protocol over an `EmbeddedEngineActor` handle."""
+
+    def __init__(self, actor: Any, name: str = "embedded-0") -> None:
+        self.actor = actor
+        self.name = name
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        return await self.actor.generate.remote(list(requests))
+
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, Any]], *,
+                                         bucket_bytes: int | None = None, flush_cache: bool = True,
+                                         weight_version: str | None = None) -> None:
+        # one actor call per bucket: bounds what sits in the object store at once
+        for bucket in bucketize(named_tensors, bucket_bytes):
+            await self.actor.update_weights_from_tensor.remote(bucket, None, flush_cache, None)
+        if weight_version is not None:
+            await self.actor.update_weights_from_tensor.remote([], None, flush_cache, weight_version)
+
+    async def release_memory_occupation(self) -> None:
+        await self.actor.release_memory_occupation.remote()
+
+    async def resume_memory_occupation(self) -> None:
+        await self.actor.resume_memory_occupation.remote()
+
+    async def flush_cache(self) -> None:
+        await self.actor.flush_cache.remote()
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self.actor.health.remote())
+        except Exception:  # noqa: BLE001 (a dead actor is unhealthy)
+            return False
+
+    async def close(self) -> None:
+        try:
+            await self.actor.close.remote()
+        except Exception:  # noqa: BLE001
+            pass
+

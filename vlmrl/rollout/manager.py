@@ -1,0 +1,348 @@
+"""The rollout manager: prompts in, groups of sampled responses out.
+
+`RolloutManager.generate(prompts)` turns every prompt into a group of n requests (one per
+sample, each with its own derived seed), keeps at most `max_in_flight` requests in flight
+across all engines (each request goes to the least-loaded engine, ties broken round-robin),
+and shows a rich progress bar. Partial failures are handled explicitly: a failed request
+is retried up to `max_retries` times with exponential backoff, on another engine when
+there is one; if it still fails, its whole group is dropped (its other requests are
+cancelled) and counted in `stats.dropped_groups` - a dropped group never reaches the
+scorer, so nothing is silently scored zero. Records come back sorted by (prompt index,
+sample index), complete groups only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import (
+    Engine,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutPrompt:
+    """One prompt: `prompt_text` is the rendered chat prompt with one image placeholder per
+    image (what SGLang's `text` expects), or `prompt_ids` its token ids."""
+
+    index: int
+    prompt_text: str | None = None
+    images: tuple[str, ...] = ()
+    answer: Any = None
+    prompt_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class SampleRecord:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int] | None
+    response_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str
+    truncated: bool
+    answer: Any = None
+    engine: str = ""
+    attempts: int = 1
+    weight_version: str | None = None
+
+
+@dataclass
+class RolloutStats:
+    prompts: int = 0
+    requests: int = 0
+    completed_groups: int = 0
+    dropped_groups: int = 0
+    dropped_prompt_indices: list[int] = field(default_factory=list)
+    failed_attempts: int = 0
+    retries: int = 0
+    generated_tokens: int = 0
+    truncated: int = 0
+    seconds: float = 0.0
+    per_engine: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "requests": self.requests, "completed_groups": self.completed_groups,
+                "dropped_groups": self.dropped_groups, "failed_attempts": self.failed_attempts,
+                "retries": self.retries, "generated_tokens": self.generated_tokens, "truncated": self.truncated,
+                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class RolloutBatch:
+    records: list[SampleRecord]
+    stats: RolloutStats
+
+    def groups(self) -> dict[int, list[SampleRecord]]:
+        out: dict[int, list[SampleRecord]] = defaultdict(list)
+        for r in self.records:
+            out[r.prompt_index].append(r)
+        return dict(out)
+
+
+def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A stable 31-bit seed per (run seed, step, prompt, sample)."""
+    h = hashlib.blake2b(f"{base_seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
+
+
+class _Group:
+    def __init__(self, prompt: RolloutPrompt, n: int) -> None:
+        self.prompt = prompt
+        self.results: list[tuple[GenerateResult, str, int] | None] = [None] * n
+        self.dropped = False
+        self.tasks: list[asyncio.Task] = []
+
+
+class RolloutManager:
+    """See the module docstring. `engines` are `Engine`s (HTTP clients, Ray or local engines)."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        n_samples: int = 1,
+        sampling: SamplingParams | None = None,
+        max_in_flight: int = 256,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        request_timeout_s: float | None = None,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        self.engines = list(engines)
+        self.n_samples = int(n_samples)
+        self.sampling = sampling or SamplingParams()
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.max_retries = max(0, int(max_retries))
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.request_timeout_s = request_timeout_s
+        self.seed = int(seed)
+        self.progress = progress
+        self._inflight = [0] * len(self.engines)
+        self._rr = 0
+
+    @classmethod
+    def from_config(cls, engines: Sequence[Engine], rollout: Any, *, n_samples: int, seed: int = 0,
+                    progress: bool = True, eval_mode: bool = False) -> RolloutManager:
+        """From a `RolloutConfig` section (eval: rollout.eval's temperature / n / length)."""
+        max_new = rollout.max_new_tokens
+        temperature = rollout.temperature
+        if eval_mode:
+            temperature = rollout.eval.temperature
+            max_new = rollout.eval.max_new_tokens or rollout.max_new_tokens
+            n_samples = rollout.eval.n_samples_per_prompt
+        sampling = SamplingParams(temperature=temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                  max_new_tokens=max_new, stop=tuple(rollout.stop),
+                                  stop_token_ids=tuple(rollout.stop_token_ids))
+        return cls(engines, n_samples=n_samples, sampling=sampling, max_in_flight=rollout.max_in_flight,
+                   max_retries=rollout.max_retries, request_timeout_s=rollout.request_timeout_s, seed=seed,
+                   progress=progress)
+
+    # ----------------------------------------------------------------- dispatch
+    def _pick(self, exclude: set[int]) -> int:
+        n = len(self.engines)
+        candidates = [i for i in range(n) if i not in exclude] or list(range(n))
+        start = self._rr
+        self._rr = (self._rr + 1) % n
+        return min(candidates, key=lambda i: (self._inflight[i], (i - start) % n))
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+    async def _one(self, req: GenerateRequest, sem: asyncio.Semaphore, stats: RolloutStats) -> tuple[GenerateResult, str, int]:
+        failed_on: set[int] = set()
+        attempt = 0
+        while True:
+            async with sem:
+                i = self._pick(failed_on)
+                engine = self.engines[i]
+                self._inflight[i] += 1
+                try:
+                    call = engine.generate([req])
+                    if self.request_timeout_s:
+                        call = asyncio.wait_for(call, self.request_timeout_s)
+                    result = (await call)[0]
+                    return result, engine.name, attempt + 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    err = e
+                finally:
+                    self._inflight[i] -= 1
+            stats.failed_attempts += 1
+            retryable = getattr(err, "retryable", True)
+            log.warning("request (rid=%s) failed on %s (attempt %d): %s", req.rid, engine.name, attempt + 1, err)
+            if not retryable or attempt >= self.max_retries:
+                raise err
+            failed_on.add(i)
+            if len(failed_on) == len(self.engines):
+                failed_on.clear()
+            stats.retries += 1
+            await asyncio.sleep(self._backoff(attempt))
+            attempt += 1
+
+    async def generate(self, prompts: Sequence[Any], *, n_samples: int | None = None,
+                       sampling: SamplingParams | None = None, step: int = 0,
+                       description: str = "rollout") -> RolloutBatch:
+        n = self.n_samples if n_samples is None else int(n_samples)
+        base = sampling or self.sampling
+        t0 = time.perf_counter()
+        stats = RolloutStats(prompts=len(prompts), requests=len(prompts) * n)
+        sem = asyncio.Semaphore(self.max_in_flight)
+        groups: list[_Group] = []
+        progress, task_id = self._progress(description, len(prompts) * n)
+
+        async def run(g: _Group, j: int, req: GenerateRequest) -> None:
+            try:
+                g.results[j] = await self._one(req, sem, stats)
+            except asyncio.CancelledError:
+                return
+            except Exception as e:  # noqa: BLE001
+                if not g.dropped:
+                    g.dropped = True
+                    stats.dropped_groups += 1
+                    stats.dropped_prompt_indices.append(int(g.prompt.index))
+                    log.error("dropping group of prompt %s: %s", g.prompt.index, e)
+                    for t in g.tasks:
+                        if t is not asyncio.current_task() and not t.done():
+                            t.cancel()
+            finally:
+                if progress is not None:
+                    progress.advance(task_id)
+
+        try:
+            for p in prompts:
+                g = _Group(_as_prompt(p), n)
+                groups.append(g)
+                for j in range(n):
+                    sp = base
+                    if base.seed is None and not base.greedy:
+                        sp = _with_seed(base, sample_seed(self.seed, step, int(g.prompt.index), j))
+                    req = GenerateRequest(
+                        text=g.prompt.prompt_text if g.prompt.prompt_ids is None else None,
+                        input_ids=g.prompt.prompt_ids,
+                        images=tuple(g.prompt.images),
+                        sampling=sp,
+                        rid=f"s{step}-p{g.prompt.index}-n{j}",
+                    )
+                    g.tasks.append(asyncio.ensure_future(run(g, j, req)))
+            await asyncio.gather(*(t for g in groups for t in g.tasks), return_exceptions=True)
+        finally:
+            if progress is not None:
+                progress.stop()
+            for g in groups:
+                for t in g.tasks:
+                    if not t.done():
+                        t.cancel()
+
+        records: list[SampleRecord] = []
+        per_engine: dict[str, int] = defaultdict(int)
+        for g in groups:
+            if g.dropped or any(r is None for r in g.results):
+                if not g.dropped:  # cancelled from outside: count it too
+                    stats.dropped_groups += 1
+                    stats.dropped_prompt_indices.append(int(g.prompt.index))
+                continue
+            stats.completed_groups += 1
+            for j, item in enumerate(g.results):
+                assert item is not None
+                res, engine_name, attempts = item
+                per_engine[engine_name] += 1
+                stats.generated_tokens += len(res.output_ids)
+                stats.truncated += int(res.truncated)
+                records.append(SampleRecord(
+                    prompt_index=int(g.prompt.index),
+                    sample_index=j,
+                    prompt_ids=res.prompt_ids if res.prompt_ids is not None else (
+                        list(g.prompt.prompt_ids) if g.prompt.prompt_ids is not None else None),
+                    response_ids=list(res.output_ids),
+                    text=res.text,
+                    logprobs=res.logprobs,
+                    finish_reason=res.finish_reason,
+                    truncated=res.truncated,
+                    answer=g.prompt.answer,
+                    engine=engine_name,
+                    attempts=attempts,
+                    weight_version=res.weight_version,
+                ))
+        stats.per_engine = dict(per_engine)
+        stats.seconds = time.perf_counter() - t0
+        return RolloutBatch(records, stats)
+
+    def run(self, prompts: Sequence[Any], **kwargs: Any) -> RolloutBatch:
+        """Synchronous `generate` (its own event loop)."""
+        return asyncio.run(self.generate(prompts, **kwargs))
+
+    def _progress(self, description: str, total: int) -> tuple[Any, Any]:
+        if not self.progress or total == 0:
+            return None, None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), transient=True)
+        task_id = progress.add_task(description, total=total)
+        progress.start()
+        return progress, task_id
+
+    # ----------------------------------------------------------------- fan-out helpers
+    async def update_weights(self, named_tensors: Sequence[tuple[str, Any]], *, bucket_bytes: int | None,
+                             weight_version: str | None = None) -> None:
+        """Send the same weights to every engine (concurrently)."""
+        await asyncio.gather(*(e.update_weights_from_tensor(named_tensors, bucket_bytes=bucket_bytes,
+                                                            weight_version=weight_version) for e in self.engines))
+
+    async def release_memory(self) -> None:
+        await asyncio.gather(*(e.release_memory_occupation() for e in self.engines))
+
+    async def resume_memory(self) -> None:
+        await asyncio.gather(*(e.resume_memory_occupation() for e in self.engines))
+
+
+def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, seed=seed)
+
+
+def _as_prompt(p: Any) -> RolloutPrompt:
+    """Duck-typed prompts: anything with index, prompt_text (or prompt_ids), images, answer."""
+    if isinstance(p, RolloutPrompt):
+        return p
+    if isinstance(p, dict):
+        get = p.get
+    else:
+        def get(k: str, default: Any = None) -> Any:
+            return getattr(p, k, default)
+    ids = get("prompt_ids", None)
+    text = get("prompt_text", None)
+    if text is None and ids is None:
+        raise EngineError(f"prompt {get('index', '?')} has neither prompt_text nor prompt_ids", retryable=False)
+    images = get("images", ()) or ()
+    if isinstance(images, str):
+        images = (images,)
+    return RolloutPrompt(index=int(get("index", 0)), prompt_text=text, images=tuple(images), answer=get("answer", None),
+                         prompt_ids=None if ids is None else tuple(int(t) for t in ids))
