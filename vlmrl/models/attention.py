@@ -19,6 +19,8 @@ this module takes the THD tensors Megatron hands it ([t, heads, head_dim] when
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,9 +162,15 @@ class PackedSelfAttentionCore(MegatronModule):
             return None
         cu = params.offsets.to(device=q.device, dtype=torch.int32)
         max_len = max(params.layout()["lens"])
+        kwargs: dict[str, Any] = {}
+        if k.shape[1] != q.shape[1]:
+            if _varlen_takes_gqa(varlen_attn):
+                kwargs["enable_gqa"] = True
+            else:  # older torch (2.11): give every query head its own copy of its KV head
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale,
-                           window_size=(-1, 0) if self.causal else (-1, -1),
-                           enable_gqa=k.shape[1] != q.shape[1])
+                           window_size=(-1, 0) if self.causal else (-1, -1), **kwargs)
 
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
@@ -222,6 +230,11 @@ class PackedSelfAttentionCore(MegatronModule):
         outs = [self._sdpa(q[:, b], k[:, b], v[:, b], None, self.causal) for b in range(q.shape[1])]
         out = torch.stack(outs, dim=1)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+@functools.cache
+def _varlen_takes_gqa(fn: Any) -> bool:
+    return "enable_gqa" in inspect.signature(fn).parameters
 
 
 def _plain_layout(p: PackedSeqParams) -> dict[str, Any]:

@@ -272,3 +272,15 @@ def with_layers(model: ModelConfig, num_layers: int) -> ModelConfig:
     lm = dataclasses.replace(model.lm, num_layers=num_layers,
                              layer_types=list(model.lm.layer_types[:num_layers]))
     return dataclasses.replace(model, lm=lm)
+
+
+def compile_layers(chunk: Any) -> None:
+    """torch.compile every transformer layer of a model chunk, in place.
+
+    Inductor fuses what TransformerEngine would otherwise provide (norms, rotary, SwiGLU,
+    residual adds); layers share one compiled graph since they have the same structure.
+    """
+    import torch
+
+    for layer in chunk.language_model.decoder.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)

@@ -28,14 +28,18 @@ class TrainSample:
     advantage: float = 0.0
     # Logprobs the rollout engine reported for the loss-masked tokens, in order.
     rollout_logprobs: list[float] | None = None
+    # Logprobs of the policy that generated the rollout, recomputed by the trainer before
+    # the rollout's first optimizer step (PPO's "old" policy), same alignment.
+    old_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.loss_mask) != len(self.input_ids):
             raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.input_ids)} tokens")
-        if self.rollout_logprobs is not None:
-            n = int(sum(1 for m in self.loss_mask if m))
-            if len(self.rollout_logprobs) != n:
-                raise ValueError(f"{len(self.rollout_logprobs)} rollout logprobs for {n} loss-masked tokens")
+        n = int(sum(1 for m in self.loss_mask if m))
+        for name in ("rollout_logprobs", "old_logprobs"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"{len(values)} {name} for {n} loss-masked tokens")
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,7 @@ class MicroBatch:
     rollout_logp: Tensor  # [T] float (0 where unknown)
     has_rollout_logp: bool
     num_samples: int
+    whole: PackedSequence  # the whole packed micro-batch (all CP shares), for unpacking
     extras: dict[str, Tensor] = field(default_factory=dict)  # e.g. old / ref logprobs
 
     @property
@@ -65,19 +70,27 @@ class MicroBatch:
         return self.packed.local_cu_seqlens
 
 
-def shifted(sample: TrainSample) -> tuple[Tensor, Tensor, Tensor]:
-    """(targets, mask, rollout_logp) of one sample, shifted for next-token prediction."""
+def _place(values: list[float] | None, mask: Tensor) -> Tensor:
+    """Per-masked-token values moved to the positions whose logits score those tokens."""
+    out = torch.zeros_like(mask)
+    if values is not None:
+        where = torch.nonzero(mask > 0).view(-1)  # positions of masked tokens
+        out[where - 1] = torch.as_tensor(values, dtype=torch.float32)
+    return out
+
+
+def shifted(sample: TrainSample) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(targets, mask, rollout_logp, old_logp) of one sample, shifted for next-token
+    prediction: position t holds what the logits at t are trained against."""
     ids = torch.as_tensor(sample.input_ids, dtype=torch.long)
     mask = torch.as_tensor(sample.loss_mask, dtype=torch.float32)
+    if mask[0] > 0:
+        raise ValueError("the first token of a sample cannot be trained on (nothing predicts it)")
     targets = torch.zeros_like(ids)
     targets[:-1] = ids[1:]
     out_mask = torch.zeros_like(mask)
     out_mask[:-1] = mask[1:]
-    lp = torch.zeros_like(mask)
-    if sample.rollout_logprobs is not None:
-        where = torch.nonzero(mask > 0).view(-1)  # positions of masked tokens
-        lp[where - 1] = torch.as_tensor(sample.rollout_logprobs, dtype=torch.float32)
-    return targets, out_mask, lp
+    return targets, out_mask, _place(sample.rollout_logprobs, mask), _place(sample.old_logprobs, mask)
 
 
 def split_by_tokens(samples: Sequence[TrainSample], parts: int) -> list[list[int]]:
@@ -113,25 +126,29 @@ def micro_batches(lengths: Sequence[int], *, max_tokens: int | None, micro_batch
 
 
 def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, spatial_merge_size: int,
-                      cp_size: int = 1, cp_rank: int = 0, pad_token_id: int = 0) -> MicroBatch:
-    """Pack `samples` (the whole micro-batch) and keep this CP rank's share."""
+                      cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, pad_token_id: int = 0) -> MicroBatch:
+    """Pack `samples` (the whole micro-batch) and keep this CP rank's share.
+
+    Each sample is padded to a multiple of 2*cp (zigzag chunks) times the sequence-parallel
+    size (the sequence is split evenly over TP ranks); padding is masked out of the loss."""
     parts = [shifted(s) for s in samples]
+    multiple = (2 * cp_size if cp_size > 1 else 1) * sp_size
     whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw) for s, p in zip(samples, parts)],
                  image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
-                 pad_multiple=2 * cp_size if cp_size > 1 else 1, pad_token_id=pad_token_id)
+                 pad_multiple=multiple, pad_token_id=pad_token_id)
     total = whole.num_tokens
     targets = torch.zeros(total, dtype=torch.long)
-    adv = torch.zeros(total)
-    lp = torch.zeros(total)
-    for i, (s, (t, _, r)) in enumerate(zip(samples, parts)):
+    adv, lp, old = torch.zeros(total), torch.zeros(total), torch.zeros(total)
+    for i, (s, (t, _, r, o)) in enumerate(zip(samples, parts)):
         a, n = int(whole.cu_seqlens_padded[i]), whole.seq_lens[i]
         targets[a:a + n] = t
         adv[a:a + n] = float(s.advantage)
         lp[a:a + n] = r
+        old[a:a + n] = o
     local = split_for_cp(whole, cp_size, cp_rank) if cp_size > 1 else whole
     idx = local.token_index
     pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
-    return MicroBatch(
+    mb = MicroBatch(
         packed=local,
         pixel_values=torch.cat(pixels) if pixels else None,
         targets=targets[idx],
@@ -140,4 +157,8 @@ def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, sp
         rollout_logp=lp[idx],
         has_rollout_logp=all(s.rollout_logprobs is not None for s in samples),
         num_samples=len(samples),
+        whole=whole,
     )
+    if all(s.old_logprobs is not None for s in samples):
+        mb.extras["old_logp"] = old[idx]
+    return mb

@@ -109,14 +109,18 @@ class MegatronTrainer:
             wd_incr_steps=decay + o.lr_warmup_steps, wd_incr_style="constant")
 
     # ------------------------------------------------------------------ batches
-    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
+    def _groups(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        p = self.cfg.parallel
+        return micro_batches([s.num_tokens for s in samples],
+                             max_tokens=p.max_tokens_per_gpu * p.cp if p.use_dynamic_batch_size else None,
+                             micro_batch_size=p.micro_batch_size)
+
+    def _micro_batches(self, samples: Sequence[TrainSample], groups: list[list[int]] | None = None) -> list[MicroBatch]:
         p, m = self.cfg.parallel, self.model_cfg
-        groups = micro_batches([s.num_tokens for s in samples],
-                               max_tokens=p.max_tokens_per_gpu * p.cp if p.use_dynamic_batch_size else None,
-                               micro_batch_size=p.micro_batch_size)
         return [build_micro_batch([samples[i] for i in g], image_token_id=m.image_token_id,
                                   spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
-                                  cp_rank=self.info.cp_rank) for g in groups]
+                                  cp_rank=self.info.cp_rank, sp_size=self.info.tp_size if p.sequence_parallel else 1)
+                for g in (groups if groups is not None else self._groups(samples))]
 
     def _vocab_start(self, logits: Tensor) -> int:
         return self.info.tp_rank * logits.shape[-1]
@@ -196,12 +200,14 @@ class MegatronTrainer:
         out["num_tokens"] = tokens
         return out
 
-    def train_step(self, samples: Sequence[TrainSample], *, recompute_old_logprobs: bool = False) -> dict[str, float]:
-        """One optimizer step on this DP rank's share of a global batch (RL loss)."""
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of a global batch (RL loss).
+
+        The old policy's logprobs come with the samples (`old_logprobs`, computed before the
+        rollout's first optimizer step); without them the step is on-policy and the current
+        logprobs, detached, are the old ones."""
         algo = self.cfg.algo
         mbs = self._micro_batches(samples)
-        if recompute_old_logprobs:
-            self._forward_logprobs(self.model, mbs, "old_logp")
         if self.ref_chunks is not None:
             self._forward_logprobs(self.ref_chunks, mbs, "ref_logp")
         need_entropy = True
@@ -242,22 +248,32 @@ class MegatronTrainer:
         return self._step(mbs, loss_fn)
 
     @torch.no_grad()
-    def logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor]:
-        """Per-sample logprobs of the loss-masked tokens under the current weights (for
-        checks such as trainer-vs-engine parity after a weight sync). Last PP stage, CP 1."""
-        mbs = self._micro_batches(samples)
+    def logprobs(self, samples: Sequence[TrainSample]) -> list[Tensor] | None:
+        """Per-sample logprobs of the loss-masked tokens under the current weights, in the
+        order of `samples` (old-policy logprobs, trainer-vs-engine checks). The ranks that
+        hold the full result (last pipeline stage) return it; the others return None."""
+        from megatron.core import parallel_state as mps
+
+        groups = self._groups(samples)
+        mbs = self._micro_batches(samples, groups)
         self._forward_logprobs(self.model, mbs, "logp")
-        out: list[Tensor] = []
-        for mb in mbs:
-            logp = mb.extras.get("logp")
-            if logp is None:
-                return []
-            cu = mb.cu_seqlens
-            for i in range(mb.num_samples):
-                a, b = int(cu[i]), int(cu[i + 1])
-                sel = mb.loss_mask[a:b] > 0
-                out.append(logp[a:b][sel.to(logp.device)].cpu())
-        return out
+        if not mps.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        out: list[Tensor | None] = [None] * len(samples)
+        for g, mb in zip(groups, mbs):
+            logp = mb.extras["logp"].float().cpu()
+            if self.info.cp_size > 1:
+                from .packing import cp_merge
+
+                shares = [torch.empty_like(logp) for _ in range(self.info.cp_size)]
+                dist.all_gather(shares, logp, group=mps.get_context_parallel_group())
+                logp = cp_merge(shares, mb.whole.padded_lens)
+            whole = mb.whole
+            for j, i in enumerate(g):
+                a, n = int(whole.cu_seqlens_padded[j]), whole.seq_lens[j]
+                sel = whole.loss_mask[a:a + n] > 0
+                out[i] = logp[a:a + n][sel]
+        return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ weights
     def iter_hf_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:

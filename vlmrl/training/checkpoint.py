@@ -1,0 +1,126 @@
+"""Checkpoints of the trainer: Megatron distributed checkpoint + per-rank RNG states.
+
+Layout of one checkpoint directory (`<run_dir>/checkpoints/step_<N>`):
+
+    dist/            megatron.core.dist_checkpointing: model chunks and optimizer state,
+                     sharded as the ranks hold them (loadable under another TP/PP/DP layout)
+    rng_<rank>.pt    torch / numpy / python / Megatron tracker RNG states of each rank
+    trainer.pt       scheduler state and step counters (rank 0)
+    loop.json        the driver's state (written by the loop after the ranks are done)
+
+A checkpoint counts only once `loop.json` exists; `latest` in the parent names the newest
+complete one, replaced atomically, so a kill mid-save leaves the previous one in force.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+LOOP_STATE = "loop.json"
+
+
+def _sharded_state_dict(trainer: Any) -> dict[str, Any]:
+    model_sd: dict[str, Any] = {}
+    for i, chunk in enumerate(trainer.chunks):
+        model_sd[f"model{i}" if len(trainer.chunks) > 1 else "model"] = chunk.sharded_state_dict()
+    optim_sd = trainer.optimizer.sharded_state_dict(model_sd if len(trainer.chunks) > 1 else model_sd["model"])
+    return {**model_sd, "optimizer": optim_sd}
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
+    """Collective over all trainer ranks."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    rank = dist.get_rank()
+    if rank == 0:
+        (path / "dist").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(trainer), str(path / "dist"))
+    torch.save(_rng_state(), path / f"rng_{rank}.pt")
+    if rank == 0:
+        torch.save({"steps": trainer.steps, "scheduler": trainer.scheduler.state_dict(), "extra": extra or {}},
+                   path / "trainer.pt")
+    dist.barrier()
+
+
+def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective over all trainer ranks; returns trainer.pt's `extra`."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    state = dist_checkpointing.load(_sharded_state_dict(trainer), str(path / "dist"))
+    for i, chunk in enumerate(trainer.chunks):
+        chunk.load_state_dict(state[f"model{i}" if len(trainer.chunks) > 1 else "model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    meta = torch.load(path / "trainer.pt", weights_only=False)
+    trainer.steps = meta["steps"]
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    _set_rng_state(torch.load(path / f"rng_{dist.get_rank()}.pt", weights_only=False))
+    dist.barrier()
+    return meta.get("extra", {})
+
+
+# --------------------------------------------------------------------------- driver side
+def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def write_loop_state(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Mark the checkpoint at `path` complete and make it the latest."""
+    path = Path(path)
+    tmp = path / (LOOP_STATE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path / LOOP_STATE)
+    latest = path.parent / LATEST
+    tmp_latest = path.parent / (LATEST + ".tmp")
+    tmp_latest.write_text(path.name)
+    tmp_latest.replace(latest)
+
+
+def find_latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    root = Path(root)
+    latest = root / LATEST
+    if latest.exists():
+        candidate = root / latest.read_text().strip()
+        if (candidate / LOOP_STATE).exists():
+            return candidate
+    done = sorted(p for p in root.glob("step_*") if (p / LOOP_STATE).exists())
+    return done[-1] if done else None
+
+
+def read_loop_state(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(path) / LOOP_STATE).read_text())
