@@ -1,0 +1,1 @@
+"""Ray: the job's cluster, placement of trainer ranks and rollout engines."""

@@ -1,0 +1,70 @@
+"""Starting and stopping the job's Ray cluster.
+
+A local cluster keeps everything inside the run dir: Ray's temp dir (sessions, logs,
+sockets) lives under `<run_dir>/ray`, reached through a short symlink in /tmp because
+Ray's unix socket paths must stay under ~107 bytes; authentication is off for the local
+cluster, so no token files are written outside it; the dashboard is off or bound to
+loopback. Only the cluster this job started is shut down. `cluster.address` joins an
+external cluster instead (nothing is started or stopped there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..config.schema import VlmrlConfig
+
+
+def _short_link(target: Path) -> Path:
+    digest = hashlib.sha1(str(target).encode()).hexdigest()[:10]
+    link = Path("/tmp") / f"vlmrl-ray-{digest}"
+    if link.is_symlink() and os.readlink(link) != str(target):
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(target, target_is_directory=True)
+    return link
+
+
+def cpu_slots(cfg: VlmrlConfig) -> float:
+    """CPUs the local cluster advertises: one slot per actor, fractional on small machines."""
+    actors = max(cfg.cluster.num_cpu_ranks, 1) + 1  # trainer ranks + the embedded engine
+    return max(float(os.cpu_count() or 1), actors * cfg.cluster.cpus_per_actor)
+
+
+@contextlib.contextmanager
+def ray_cluster(cfg: VlmrlConfig, run_dir: str | os.PathLike) -> Iterator[Any]:
+    import ray
+
+    c = cfg.cluster
+    if ray.is_initialized():  # an enclosing caller owns Ray (tests, notebooks)
+        yield ray
+        return
+    started_link: Path | None = None
+    if c.address:
+        ray.init(address=c.address, log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        tmp = Path(run_dir).resolve() / "ray"
+        tmp.mkdir(parents=True, exist_ok=True)
+        started_link = _short_link(tmp)
+        ray.init(
+            num_cpus=cpu_slots(cfg),
+            num_gpus=c.num_gpus,
+            include_dashboard=c.dashboard,
+            dashboard_host="127.0.0.1",
+            _temp_dir=str(started_link),
+            log_to_driver=True,
+            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}},
+        )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if started_link is not None and started_link.is_symlink():
+            started_link.unlink()

@@ -1,0 +1,416 @@
+"""The RL loop. One rollout step, top to bottom:
+
+    sample prompts -> rollout (n per prompt) -> rewards -> advantages -> train
+    (optimizer steps per rollout as configured) -> weight sync -> eval every N steps
+    -> checkpoint every M steps
+
+`algo=sft` (and the SFT warm-up of `algo.sft_steps` before RL) runs through the same
+entry: supervised steps on `Answer: \\boxed{<answer>}` targets, then a weight sync.
+Everything here orchestrates; the maths lives in vlmrl.algo and vlmrl.rewards, the model
+work in the trainer ranks and the rollout engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from .config.schema import VlmrlConfig
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclasses.dataclass
+class LoopState:
+    step: int = 0  # RL steps done (SFT: optimizer steps done)
+    sft_steps_done: int = 0
+    train_seconds: float = 0.0  # wall time of SFT and RL steps (rollout, train, sync); evals excluded
+    eval_accuracy_start: float | None = None
+    data: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def model_path(cfg: VlmrlConfig) -> str:
+    """The HF checkpoint to start from (the tiny model is built on first use)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from .models.tiny import ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint(cfg.model, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+
+
+def dataset_name(cfg: VlmrlConfig) -> str:
+    return cfg.data.name
+
+
+def verifier_params(reward: Any) -> dict[str, Any]:
+    """The `reward` section as keyword arguments of its `_target_` class.
+
+    The schema carries every verifier's parameters; a key the target does not take must
+    keep its schema default (e.g. `tolerance` with the math verifier), else it is an error.
+    """
+    import importlib
+
+    from .config.schema import RewardConfig
+
+    params = dataclasses.asdict(reward)
+    module, _, name = reward._target_.rpartition(".")
+    accepted = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    defaults = RewardConfig()
+    out = {"_target_": params.pop("_target_")}
+    for key, value in params.items():
+        if key in accepted:
+            out[key] = value
+        elif value != getattr(defaults, key):
+            raise ValueError(f"reward.{key}={value!r} is not a parameter of {reward._target_}")
+    return out
+
+
+# --------------------------------------------------------------------------- samples
+def rollout_prompt(prompt: Any) -> Any:
+    from .data.images import encode_data_uri
+    from .rollout.manager import RolloutPrompt
+
+    return RolloutPrompt(index=prompt.index, prompt_text=prompt.prompt_text,
+                         images=tuple(encode_data_uri(im) for im in prompt.images), answer=prompt.answer)
+
+
+def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any], advantages: list[float],
+                  vision_token_ids: set[int]) -> tuple[list[Any], int]:
+    """TrainSamples of rollout records: the processor's prompt tokens (image placeholders
+    expanded exactly as in rollout) followed by the generated tokens.
+
+    A response that contains a vision token (an image placeholder the model emitted) cannot
+    be trained on: the placeholder would claim image features that do not exist. Such
+    samples are left out and counted (second return value)."""
+    from .data.prompts import encode_prompt
+    from .training.batch import TrainSample
+
+    encoded: dict[int, dict[str, Any]] = {}
+    out = []
+    invalid = 0
+    for rec, adv in zip(records, advantages):
+        if rec.prompt_index not in encoded:
+            encoded[rec.prompt_index] = encode_prompt(processor, prompts[rec.prompt_index])
+        enc = encoded[rec.prompt_index]
+        ids, resp = enc["input_ids"], list(rec.response_ids)
+        if rec.prompt_ids is not None and list(rec.prompt_ids) != ids:
+            raise RuntimeError(f"prompt {rec.prompt_index}: the engine tokenised the prompt differently from the "
+                               "trainer (check data.min_pixels/max_pixels and the chat template)")
+        if not resp:
+            continue
+        if vision_token_ids.intersection(resp):
+            invalid += 1
+            continue
+        out.append(TrainSample(
+            input_ids=ids + resp, loss_mask=[0.0] * len(ids) + [1.0] * len(resp),
+            pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"], advantage=float(adv),
+            rollout_logprobs=list(rec.logprobs) if rec.logprobs is not None else None))
+    return out, invalid
+
+
+def sft_samples(processor: Any, prompts: list[Any]) -> list[Any]:
+    from .data.prompts import encode_prompt_response
+    from .data.sft import sft_response
+    from .training.batch import TrainSample
+
+    out = []
+    for p in prompts:
+        enc = encode_prompt_response(processor, p, sft_response(p.answer))
+        out.append(TrainSample(input_ids=enc["input_ids"], loss_mask=[float(m) for m in enc["loss_mask"]],
+                               pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"]))
+    return out
+
+
+def rollout_metrics(records: list[Any], rewards: list[float]) -> dict[str, float]:
+    from .logging import metrics as mk
+
+    n = max(len(records), 1)
+    return {
+        mk.ROLLOUT_RAW_REWARD: sum(rewards) / max(len(rewards), 1),
+        mk.ROLLOUT_RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in records) / n,
+        mk.ROLLOUT_TRUNCATED_RATIO: sum(r.truncated for r in records) / n,
+    }
+
+
+# --------------------------------------------------------------------------- the loop
+class Loop:
+    def __init__(self, cfg: VlmrlConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = LoopState()
+
+    # ------------------------------------------------------------ components
+    def _setup(self) -> None:
+        from .data.prompts import PromptDataset
+        from .logging.progress import Progress
+        from .models.processor import load_processor
+        from .rewards import build_verifier
+        from .rewards.pool import RewardPool
+
+        cfg, d = self.cfg, self.cfg.data
+        random.seed(cfg.seed)
+        self.model_path = model_path(cfg)
+        self.processor = load_processor(self.model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        self.train_data = PromptDataset(d, d.train_split, self.processor)
+        self.test_data = PromptDataset(d, d.test_split, self.processor)
+        self.pool = RewardPool(build_verifier(verifier_params(cfg.reward)), num_workers=cfg.reward.num_workers,
+                               timeout_s=cfg.reward.timeout_s)
+        self.progress = Progress(cfg.logger.progress)
+
+    def _start_engines(self) -> None:
+        from .rollout.embedded import RayEngine, create_embedded_actor
+        from .rollout.manager import RolloutManager
+
+        cfg = self.cfg
+        if cfg.rollout.name != "embedded":
+            from .rollout.sglang import start_sglang_engines
+
+            self.engine_actors, engines = start_sglang_engines(cfg, self.model_path)
+        else:
+            actor = create_embedded_actor(
+                self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name="embedded-0",
+                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
+                max_batch_size=cfg.rollout.embedded.max_batch_size)
+            self.engine_actors, engines = [actor], [RayEngine(actor, "embedded-0")]
+        self.engines = engines
+        progress = cfg.logger.progress
+        self.rollout = RolloutManager.from_config(engines, cfg.rollout, n_samples=cfg.algo.n_samples_per_prompt,
+                                                  seed=cfg.seed, progress=progress)
+        self.evaluator = RolloutManager.from_config(engines, cfg.rollout, n_samples=1, seed=cfg.seed,
+                                                    progress=progress, eval_mode=True)
+
+    # ------------------------------------------------------------ checkpoints
+    def _resume_from(self) -> Path | None:
+        from .training.checkpoint import find_latest
+
+        r = self.cfg.resume
+        if r == "never":
+            return None
+        if r == "auto":
+            return find_latest(self.run_dir / CHECKPOINT_DIR)
+        path = Path(r)
+        if not (path / "loop.json").exists():
+            raise FileNotFoundError(f"resume={r}: no complete checkpoint there (no loop.json)")
+        return path
+
+    def _restore(self, path: Path) -> None:
+        from .training.checkpoint import read_loop_state
+
+        self.trainer.load(str(path))
+        state = read_loop_state(path)
+        self.state = LoopState(**state)
+        self.train_data.load_state_dict(self.state.data)
+        print(f"resumed from {path}: RL step {self.state.step}, SFT steps {self.state.sft_steps_done}")
+
+    def save_checkpoint(self) -> Path:
+        from .training.checkpoint import checkpoint_dir, write_loop_state
+
+        path = checkpoint_dir(self.run_dir / CHECKPOINT_DIR, self.state.sft_steps_done + self.state.step)
+        self.state.data = self.train_data.state_dict()
+        self.trainer.save(str(path), {"rl_step": self.state.step})
+        write_loop_state(path, dataclasses.asdict(self.state))
+        return path
+
+    def _sync_weights(self, version: str) -> float:
+        t0 = time.perf_counter()
+        bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
+        self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket, weight_version=version)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------ phases
+    def evaluate(self) -> dict[str, float]:
+        from .logging.metrics import eval_key, eval_mean_reward_key
+
+        prompts = list(self.test_data)
+        if self.cfg.rollout.eval.max_prompts:
+            prompts = prompts[: self.cfg.rollout.eval.max_prompts]
+        batch = self.evaluator.run([rollout_prompt(p) for p in prompts], step=self.state.step, description="eval")
+        answers = {p.index: p.answer for p in prompts}
+        rewards = self.pool.score([r.text for r in batch.records], [answers[r.prompt_index] for r in batch.records])
+        n = max(len(rewards), 1)
+        acc = sum(1.0 for r in rewards if r >= 1.0) / n
+        name = dataset_name(self.cfg)
+        return {eval_key(name): acc, eval_mean_reward_key(name): sum(rewards) / n}
+
+    def sft(self, steps: int) -> None:
+        from .logging import metrics as mk
+
+        bs = self.cfg.algo.sft_batch_size
+        while self.state.sft_steps_done < steps:
+            t0 = time.perf_counter()
+            samples = sft_samples(self.processor, self.train_data.sample_batch(bs))
+            m = self.trainer.sft_step(samples)
+            self.state.sft_steps_done += 1
+            dt = time.perf_counter() - t0
+            self.state.train_seconds += dt
+            row = {"sft/loss": m["loss"], mk.TRAIN_GRAD_NORM: m["grad_norm"], mk.PERF_TRAIN_TIME: dt}
+            done = self.state.sft_steps_done
+            if self.cfg.eval_interval and done % self.cfg.eval_interval == 0 and done < steps:
+                self._sync_weights(f"sft-{done}")
+                row.update(self.evaluate())
+            self.logger.log(done, row, refresh_plots=mk.eval_key(dataset_name(self.cfg)) in row)
+
+    def rl_step(self) -> dict[str, float]:
+        from .algo import compute_advantages
+        from .logging import metrics as mk
+
+        cfg, state = self.cfg, self.state
+        n = cfg.algo.n_samples_per_prompt
+        t_step = time.perf_counter()
+        prompts = self.train_data.sample_batch(cfg.rollout.batch_size)
+        by_index = {p.index: p for p in prompts}
+        batch = self.rollout.run([rollout_prompt(p) for p in prompts], step=state.step)
+        t_rollout = time.perf_counter() - t_step
+        records = sorted(batch.records, key=lambda r: (r.prompt_index, r.sample_index))
+        rewards = self.pool.score([r.text for r in records], [by_index[r.prompt_index].answer for r in records])
+        advantages = compute_advantages(cfg.algo.advantage_estimator, rewards, n,
+                                        reward_dtype=cfg.algo.reward_dtype).tolist() if records else []
+        m = cfg.model
+        samples, invalid = train_samples(self.processor, by_index, records, advantages,
+                                         {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
+
+        t_train = time.perf_counter()
+        gbs = cfg.trainer.global_batch_size
+        steps = max(len(samples) // gbs, 1) if samples else 0
+        per = -(-len(samples) // steps) if steps else 0
+        order = list(range(len(samples)))
+        random.Random(cfg.seed + state.step).shuffle(order)
+        if steps > 1:  # PPO's old policy: the weights that generated the rollout, before any update
+            for s, lp in zip(samples, self.trainer.logprobs(samples)):
+                s.old_logprobs = lp.tolist()
+        train_metrics: list[dict[str, float]] = []
+        for k in range(steps):
+            chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
+            train_metrics.append(self.trainer.train_step(chunk))
+        train_time = time.perf_counter() - t_train
+        sync_time = self._sync_weights(f"step-{state.step + 1}")
+        state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
+
+        metrics = rollout_metrics(records, rewards)
+        last = train_metrics[-1] if train_metrics else {}
+        for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl",
+                    "train_rollout_logprob_abs_diff"):
+            if key in last:
+                metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
+        tokens = sum(s.num_tokens for s in samples)
+        step_time = time.perf_counter() - t_step
+        devices = max(cfg.cluster.num_gpus, cfg.cluster.num_cpu_ranks, 1)
+        metrics.update({
+            mk.PERF_ROLLOUT_TIME: t_rollout, mk.PERF_TRAIN_TIME: train_time, mk.PERF_UPDATE_WEIGHTS_TIME: sync_time,
+            mk.PERF_STEP_TIME: step_time, mk.PERF_TOKENS_PER_GPU_PER_SEC: tokens / max(step_time, 1e-9) / devices,
+            "rollout/dropped_groups": batch.stats.dropped_groups,
+            "rollout/invalid_samples": invalid,
+            "rollout/reward_timeouts": self.pool.stats.timeouts,
+            "data/skipped_rows": self.train_data.skips.total,
+        })
+        return metrics
+
+    # ------------------------------------------------------------ driver
+    def run(self) -> dict[str, Any]:
+        from .cluster.ray_cluster import ray_cluster
+        from .cluster.trainer_group import TrainerGroup
+        from .logging import MetricsLogger
+
+        cfg = self.cfg
+        self._setup()
+        total = cfg.num_steps + cfg.algo.sft_steps
+        resume = self._resume_from()
+        resume_step = -1
+        if resume is not None:
+            from .training.checkpoint import read_loop_state
+
+            saved = read_loop_state(resume)
+            resume_step = saved["sft_steps_done"] + saved["step"]
+        key = f"eval/{dataset_name(cfg)}"
+        with ray_cluster(cfg, self.run_dir), self.pool, \
+                MetricsLogger(self.run_dir, cfg.logger, dataclasses.asdict(cfg), self.run_dir.name,
+                              resume_step=resume_step) as logger:
+            self.logger = logger
+            self._start_engines()
+            self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total)
+            if resume is not None:
+                self._restore(resume)
+                self._sync_weights(f"resume-{resume_step}")
+            if cfg.algo.name == "sft":
+                self.sft(cfg.num_steps)
+                self._sync_weights("sft")
+                ev = self.evaluate()
+                logger.log(cfg.num_steps, ev, refresh_plots=True)
+                self.save_checkpoint()
+                return self._finish(ev, ev)
+            if self.state.sft_steps_done < cfg.algo.sft_steps:
+                self.sft(cfg.algo.sft_steps)
+                self._sync_weights("sft-warmup")
+            offset = self.state.sft_steps_done  # logged step = SFT warm-up steps + RL steps
+            if self.state.eval_accuracy_start is None:
+                start = self.evaluate()
+                self.state.eval_accuracy_start = start[key]
+                logger.log(offset, start, refresh_plots=True)
+            start = {key: self.state.eval_accuracy_start}
+            ev = start
+            while self.state.step < cfg.num_steps:
+                if cfg.max_train_seconds and self.state.train_seconds >= cfg.max_train_seconds:
+                    print(f"stopping: training time {self.state.train_seconds:.0f}s reached max_train_seconds")
+                    break
+                metrics = self.rl_step()
+                self.state.step += 1
+                if cfg.eval_interval and self.state.step % cfg.eval_interval == 0:
+                    ev = self.evaluate()
+                    metrics.update(ev)
+                metrics["rl_step"] = self.state.step
+                logger.log(offset + self.state.step, metrics,
+                           refresh_plots=bool(cfg.eval_interval and self.state.step % cfg.eval_interval == 0))
+                self.progress.print_step_summary(self.state.step, metrics)
+                if cfg.save_interval and self.state.step % cfg.save_interval == 0:
+                    self.save_checkpoint()
+            if not cfg.eval_interval or self.state.step % cfg.eval_interval:
+                ev = self.evaluate()
+                logger.log(offset + self.state.step, ev, refresh_plots=True)
+            if not cfg.save_interval or self.state.step % cfg.save_interval:
+                self.save_checkpoint()
+            return self._finish(start, ev)
+
+    def _finish(self, start: dict[str, float], end: dict[str, float]) -> dict[str, Any]:
+        key = f"eval/{dataset_name(self.cfg)}"
+        if self.cfg.save_hf:
+            self._save_hf()
+        summary = {
+            "eval_accuracy_start": start[key],
+            "eval_accuracy_end": end[key],
+            "train_seconds": round(self.state.train_seconds, 2),
+            "rl_steps": self.state.step,
+            "sft_steps": self.state.sft_steps_done,
+            "run_dir": str(self.run_dir),
+            "plots": str(self.run_dir / "plots"),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"run dir: {self.run_dir}\nplots: {self.run_dir / 'plots'}\n"
+              f"eval accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f} "
+              f"in {summary['train_seconds']:.0f}s of training")
+        return summary
+
+    def _save_hf(self) -> None:
+        from safetensors.torch import save_file
+
+        from .models.processor import save_processor
+
+        out = self.run_dir / "hf"
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in self.trainer.export_hf().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        import shutil
+
+        for name in ("config.json", "generation_config.json"):
+            src = Path(self.model_path) / name
+            if src.exists():
+                shutil.copy(src, out / name)
+        save_processor(self.processor, out, "Qwen2_5_VLProcessor")
+
+
+def train(cfg: VlmrlConfig) -> dict[str, Any]:
+    return Loop(cfg).run()
