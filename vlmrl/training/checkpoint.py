@@ -28,11 +28,14 @@ LATEST = "latest"
 LOOP_STATE = "loop.json"
 
 
-def _sharded_state_dict(trainer: Any) -> dict[str, Any]:
+def _sharded_state_dict(trainer: Any, *, is_loading: bool = False) -> dict[str, Any]:
+    """Model chunks + optimizer. `is_loading` makes the optimizer create its (Adam) state
+    first, so that the loaded moments have somewhere to go (a fresh optimizer has none)."""
     model_sd: dict[str, Any] = {}
     for i, chunk in enumerate(trainer.chunks):
         model_sd[f"model{i}" if len(trainer.chunks) > 1 else "model"] = chunk.sharded_state_dict()
-    optim_sd = trainer.optimizer.sharded_state_dict(model_sd if len(trainer.chunks) > 1 else model_sd["model"])
+    optim_sd = trainer.optimizer.sharded_state_dict(model_sd if len(trainer.chunks) > 1 else model_sd["model"],
+                                                    is_loading=is_loading)
     return {**model_sd, "optimizer": optim_sd}
 
 
@@ -81,7 +84,7 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    state = dist_checkpointing.load(_sharded_state_dict(trainer), str(path / "dist"))
+    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path / "dist"))
     for i, chunk in enumerate(trainer.chunks):
         chunk.load_state_dict(state[f"model{i}" if len(trainer.chunks) > 1 else "model"])
     trainer.optimizer.load_state_dict(state["optimizer"])

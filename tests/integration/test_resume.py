@@ -1,0 +1,71 @@
+"""Fault tolerance: a CPU run killed with SIGKILL and resumed (`resume=auto`) gives the
+same metrics for its next step as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGS = [
+    "num_steps=3", "save_interval=1", "algo.sft_steps=1", "eval_interval=0", "rollout.eval.max_prompts=4",
+    "rollout.batch_size=4", "algo.n_samples_per_prompt=4", "trainer.global_batch_size=8",
+    "rollout.max_new_tokens=12", "logger.wandb=false", "logger.progress=false",
+    "data.synthetic.num_train=64", "data.synthetic.num_test=8",
+]
+COMPARED = ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/entropy", "train/grad_norm",
+            "train/pg_clipfrac", "train/train_rollout_logprob_abs_diff")
+
+
+def command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "vlmrl.train", f"run_dir={run_dir}", f"hydra.run.dir={run_dir}", *ARGS]
+
+
+def env(cache_dir: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "VLMRL_CACHE": cache_dir}
+
+
+def rl_rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["rl_step"]: r for r in rows if "rl_step" in r}
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache_dir, tiny_checkpoint):
+    straight = tmp_path / "straight"
+    res = subprocess.run(command(straight), cwd=tmp_path, env=env(cache_dir), capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    expected = rl_rows(straight)[3]
+
+    killed = tmp_path / "killed"
+    latest = killed / "checkpoints" / "latest"
+    proc = subprocess.Popen(command(killed), cwd=tmp_path, env=env(cache_dir), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        # checkpoint names count SFT + RL steps: after RL step 2 it is step_000003
+        while not (latest.exists() and latest.read_text().strip() == "step_000003"):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoint of RL step 2 appeared"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and everything it started
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert 3 not in rl_rows(killed), "killed too late: step 3 had already finished"
+
+    res = subprocess.run(command(killed), cwd=tmp_path, env=env(cache_dir), capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "RL step 2" in res.stdout
+    resumed = rl_rows(killed)
+    assert sorted(resumed) == [1, 2, 3]  # no duplicate or lost steps in metrics.jsonl
+    for key in COMPARED:
+        assert abs(resumed[3][key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (
+            key, resumed[3][key], expected[key])
