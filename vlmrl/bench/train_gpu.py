@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--variants", default="hf_sdpa,vlmrl_megatron,vlmrl_megatron_fused")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args(argv)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0) if CUDA else "cpu", "torch": torch.__version__,
         "shape": vars(args), "rows": rows,
     }
-    out = Path(os.environ.get("OUT", args.out))
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_gpu.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({r["variant"]: round(r["vs_hf"] or 0, 3) for r in rows}))
