@@ -143,6 +143,8 @@ class Loop:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = LoopState()
+        self._next: tuple[list[Any], Any, float] | None = None  # async: the overlapped rollout
+        self._data_before_next: dict[str, int] | None = None
 
     # ------------------------------------------------------------ components
     def _setup(self) -> None:
@@ -174,6 +176,7 @@ class Loop:
         else:
             actor = create_embedded_actor(
                 self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name="embedded-0",
+                scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[0]),
                 min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
                 max_batch_size=cfg.rollout.embedded.max_batch_size)
             self.engine_actors, engines = [actor], [RayEngine(actor, "embedded-0")]
@@ -211,7 +214,8 @@ class Loop:
         from .training.checkpoint import checkpoint_dir, write_loop_state
 
         path = checkpoint_dir(self.run_dir / CHECKPOINT_DIR, self.state.sft_steps_done + self.state.step)
-        self.state.data = self.train_data.state_dict()
+        # an overlapped rollout already drew its prompts: a resumed run draws them again
+        self.state.data = self._data_before_next if self._next is not None else self.train_data.state_dict()
         self.trainer.save(str(path), {"rl_step": self.state.step})
         write_loop_state(path, dataclasses.asdict(self.state))
         return path
@@ -255,6 +259,14 @@ class Loop:
                 row.update(self.evaluate())
             self.logger.log(done, row, refresh_plots=mk.eval_key(dataset_name(self.cfg)) in row)
 
+    def _rollout(self, step: int) -> tuple[list[Any], Any, float]:
+        """Sample the step's prompts and generate their groups (a worker thread runs this
+        while the trainer trains in async mode)."""
+        t0 = time.perf_counter()
+        prompts = self.train_data.sample_batch(self.cfg.rollout.batch_size)
+        batch = self.rollout.run([rollout_prompt(p) for p in prompts], step=step)
+        return prompts, batch, time.perf_counter() - t0
+
     def rl_step(self) -> dict[str, float]:
         from .algo import compute_advantages
         from .logging import metrics as mk
@@ -262,10 +274,18 @@ class Loop:
         cfg, state = self.cfg, self.state
         n = cfg.algo.n_samples_per_prompt
         t_step = time.perf_counter()
-        prompts = self.train_data.sample_batch(cfg.rollout.batch_size)
+        if self._next is not None:  # async: generated while the previous step trained
+            prompts, batch, t_rollout = self._next
+            self._next = None
+        else:
+            prompts, batch, t_rollout = self._rollout(state.step)
+        pending = None
+        if cfg.cluster.async_rollout and state.step + 1 < cfg.num_steps:
+            # the next rollout overlaps this step's training, with the weights the engines
+            # have now: its samples are one step off-policy
+            self._data_before_next = self.train_data.state_dict()
+            pending = self._executor.submit(self._rollout, state.step + 1)
         by_index = {p.index: p for p in prompts}
-        batch = self.rollout.run([rollout_prompt(p) for p in prompts], step=state.step)
-        t_rollout = time.perf_counter() - t_step
         records = sorted(batch.records, key=lambda r: (r.prompt_index, r.sample_index))
         rewards = self.pool.score([r.text for r in records], [by_index[r.prompt_index].answer for r in records])
         advantages = compute_advantages(cfg.algo.advantage_estimator, rewards, n,
@@ -280,7 +300,10 @@ class Loop:
         per = -(-len(samples) // steps) if steps else 0
         order = list(range(len(samples)))
         random.Random(cfg.seed + state.step).shuffle(order)
-        if steps > 1:  # PPO's old policy: the weights that generated the rollout, before any update
+        if cfg.cluster.async_rollout:  # PPO's old policy is the (older) one that generated the samples
+            for s in samples:
+                s.old_logprobs = s.rollout_logprobs
+        elif steps > 1:  # PPO's old policy: the weights that generated the rollout, before any update
             for s, lp in zip(samples, self.trainer.logprobs(samples)):
                 s.old_logprobs = lp.tolist()
         train_metrics: list[dict[str, float]] = []
@@ -288,6 +311,8 @@ class Loop:
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
             train_metrics.append(self.trainer.train_step(chunk))
         train_time = time.perf_counter() - t_train
+        if pending is not None:  # engines finish the overlapped rollout before taking new weights
+            self._next = pending.result()
         sync_time = self._sync_weights(f"step-{state.step + 1}")
         state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
 
@@ -312,12 +337,17 @@ class Loop:
 
     # ------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .cluster.placement import create_placement
         from .cluster.ray_cluster import ray_cluster
         from .cluster.trainer_group import TrainerGroup
+        from .config.layout import compute_layout
         from .logging import MetricsLogger
 
         cfg = self.cfg
         self._setup()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         total = cfg.num_steps + cfg.algo.sft_steps
         resume = self._resume_from()
         resume_step = -1
@@ -331,8 +361,9 @@ class Loop:
                 MetricsLogger(self.run_dir, cfg.logger, dataclasses.asdict(cfg), self.run_dir.name,
                               resume_step=resume_step) as logger:
             self.logger = logger
+            self.placement = create_placement(cfg, compute_layout(cfg))
             self._start_engines()
-            self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total)
+            self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement)
             if resume is not None:
                 self._restore(resume)
                 self._sync_weights(f"resume-{resume_step}")
@@ -373,6 +404,7 @@ class Loop:
                 logger.log(offset + self.state.step, ev, refresh_plots=True)
             if not cfg.save_interval or self.state.step % cfg.save_interval:
                 self.save_checkpoint()
+            self._executor.shutdown(wait=True)
             return self._finish(start, ev)
 
     def _finish(self, start: dict[str, float], end: dict[str, float]) -> dict[str, Any]:

@@ -92,16 +92,19 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir):
     generates equal the trainer's on the same tokens (fp32 CPU, <= 1e-5)."""
     import ray
 
+    from vlmrl.cluster.placement import create_placement
     from vlmrl.cluster.ray_cluster import ray_cluster
     from vlmrl.cluster.trainer_group import TrainerGroup
+    from vlmrl.config.layout import compute_layout
     from vlmrl.loop import Loop, rollout_prompt, sft_samples, train_samples
 
     cfg = _config(tmp_path, cache_dir, ["logger.jsonl=false"])
     loop = Loop(cfg)
     loop._setup()
     with ray_cluster(cfg, tmp_path):
+        loop.placement = create_placement(cfg, compute_layout(cfg))
         loop._start_engines()
-        trainer = TrainerGroup(cfg, loop.model_path, total_steps=4)
+        trainer = TrainerGroup(cfg, loop.model_path, total_steps=4, placement=loop.placement)
         loop.trainer = trainer
         for _ in range(2):
             trainer.sft_step(sft_samples(loop.processor, loop.train_data.sample_batch(8)))
@@ -130,3 +133,40 @@ def test_sft_algorithm_runs_through_the_same_entry(tmp_path, cache_dir):
     assert summary["sft_steps"] == 2 and summary["rl_steps"] == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "sft/loss" in r] == [1, 2]
+
+
+def test_async_rollout_trains_one_step_off_policy(tmp_path, cache_dir):
+    """With cluster.async_rollout the next rollout overlaps training: from step 2 on the
+    samples come from the policy before the last update (PPO's ratio moves off 1), while
+    the synchronous run is exactly on-policy (one optimizer step per rollout)."""
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+
+    one_step = ["trainer.global_batch_size=16", "save_hf=false", "num_steps=3", "algo.sft_steps=1"]
+    train(_config(tmp_path / "async", cache_dir, [*one_step, "cluster.async_rollout=true"]))
+    train(_config(tmp_path / "sync", cache_dir, one_step))
+    rows = {name: [r for r in read_metrics(tmp_path / name) if "rl_step" in r] for name in ("async", "sync")}
+    assert [r["rl_step"] for r in rows["async"]] == [1, 2, 3]
+    assert all(r["train/ppo_kl"] == 0.0 for r in rows["sync"])
+    kl = [abs(r["train/ppo_kl"]) for r in rows["async"]]
+    # the first rollout precedes any update: old = rollout logprobs, equal up to numerics
+    assert kl[0] < 1e-6, kl
+    assert max(kl[1:]) > 100 * max(kl[0], 1e-9), kl
+
+
+def test_placement_bundles_follow_the_layout():
+    from vlmrl.cluster.placement import bundles
+    from vlmrl.config import compute_layout, load
+
+    cfg = load(["experiment=geo3k_qwen35"])
+    spec, trainer, engines = bundles(cfg, compute_layout(cfg))
+    assert len(spec) == 8 and all(b == {"GPU": 1.0, "CPU": 1.0} for b in spec)
+    assert trainer == list(range(8)) and engines == [0]
+    cfg = load(["hardware=h200", "rollout=sglang", "model=qwen2_5_vl_3b", "cluster.num_gpus=8",
+                "cluster.trainer_gpus=4", "rollout.num_gpus=4", "rollout.gpus_per_engine=2",
+                "trainer.global_batch_size=32"])
+    spec, trainer, engines = bundles(cfg, compute_layout(cfg))
+    assert trainer == [0, 1, 2, 3] and engines == [4, 6]
+    cfg = load(["cluster.num_cpu_ranks=2"])
+    spec, trainer, engines = bundles(cfg, compute_layout(cfg))
+    assert spec == [{"CPU": 0.5}] * 3 and trainer == [0, 1] and engines == [2]

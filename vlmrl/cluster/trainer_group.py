@@ -17,6 +17,7 @@ from typing import Any
 from ..config.layout import compute_layout
 from ..config.schema import VlmrlConfig
 from ..training.batch import TrainSample, split_by_tokens
+from .placement import Placement
 
 
 class TrainerWorker:
@@ -90,7 +91,7 @@ def _free_port() -> int:
 class TrainerGroup:
     """The driver's handle on all trainer ranks."""
 
-    def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int) -> None:
+    def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int, placement: Placement) -> None:
         import ray
 
         self.cfg = cfg
@@ -100,14 +101,18 @@ class TrainerGroup:
         # On GPUs each rank owns one GPU; colocated engines take a share of the same GPUs.
         gpus = 0.5 if on_gpu and cfg.cluster.colocate else (1.0 if on_gpu else 0.0)
         cls = ray.remote(TrainerWorker)
-        opts = dict(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=gpus)
+
+        def opts(rank: int) -> dict[str, Any]:
+            return dict(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=gpus,
+                        scheduling_strategy=placement.strategy(placement.trainer_bundles[rank]))
+
         port = _free_port()
-        first = cls.options(**opts).remote(cfg, 0, self.world_size, "127.0.0.1", port)
+        first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, "127.0.0.1", port)
         addr = ray.get(first.node_ip.remote()) if cfg.cluster.num_nodes > 1 else "127.0.0.1"
         if addr != "127.0.0.1":
             ray.kill(first)
-            first = cls.options(**opts).remote(cfg, 0, self.world_size, addr, port)
-        self.workers = [first] + [cls.options(**opts).remote(cfg, r, self.world_size, addr, port)
+            first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, addr, port)
+        self.workers = [first] + [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, port)
                                   for r in range(1, self.world_size)]
         self.ranks = ray.get([w.init.remote(model_path, total_steps) for w in self.workers])
         self.dp_size = self.ranks[0]["dp_size"]

@@ -579,14 +579,15 @@ class EmbeddedEngineActor:
 
 
 def create_embedded_actor(model_path: str, *, num_cpus: float = 0.5, num_gpus: float = 0.0,
-                          name: str = "embedded-0", **engine_kwargs: Any) -> Any:
-    """Start an `EmbeddedEngineActor` (Ray must be initialised); returns the actor handle."""
+                          name: str = "embedded-0", scheduling_strategy: Any = None, **engine_kwargs: Any) -> Any:
+    """Start an `EmbeddedEngineActor` (Ray must be initialised); returns the actor handle.
+    `scheduling_strategy`: e.g. its placement-group bundle."""
     import ray
 
     cls = ray.remote(EmbeddedEngineActor)
     # Ray runs async actor methods concurrently on one event loop: the batcher coalesces them.
-    return cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000).remote(
-        model_path, {"name": name, **engine_kwargs})
+    return cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000,
+                       scheduling_strategy=scheduling_strategy).remote(model_path, {"name": name, **engine_kwargs})
 
 
 class RayEngine:
