@@ -169,10 +169,19 @@ class Loop:
         from .rollout.manager import RolloutManager
 
         cfg = self.cfg
-        if cfg.rollout.name != "embedded":
-            from .rollout.sglang import start_sglang_engines
+        if cfg.rollout.name == "sglang":
+            import asyncio
 
-            self.engine_actors, engines = start_sglang_engines(cfg, self.model_path)
+            from .config.layout import compute_layout
+            from .rollout.sglang import launch_sglang_engines
+
+            self.sglang = asyncio.run(launch_sglang_engines(
+                cfg.rollout, cfg.hardware, cfg.model, compute_layout(cfg).engines(cfg), run_dir=self.run_dir,
+                model_path=self.model_path, colocate=cfg.cluster.colocate, cpus_per_actor=cfg.cluster.cpus_per_actor,
+                seed=cfg.seed))
+            engines = self.sglang.generation  # the router when there is one
+            self.admin_engines = self.sglang.engines  # every server: memory, cache, weights
+            self.engine_actors = [e.base_url for e in self.sglang.engines]  # weight-sync targets
         else:
             actor = create_embedded_actor(
                 self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name="embedded-0",
@@ -180,6 +189,7 @@ class Loop:
                 min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
                 max_batch_size=cfg.rollout.embedded.max_batch_size)
             self.engine_actors, engines = [actor], [RayEngine(actor, "embedded-0")]
+            self.admin_engines = engines
         self.engines = engines
         progress = cfg.logger.progress
         self.rollout = RolloutManager.from_config(engines, cfg.rollout, n_samples=cfg.algo.n_samples_per_prompt,
@@ -219,6 +229,22 @@ class Loop:
         self.trainer.save(str(path), {"rl_step": self.state.step})
         write_loop_state(path, dataclasses.asdict(self.state))
         return path
+
+    def _stop_engines(self) -> None:
+        """SGLang servers are processes of their actors: stop them before Ray goes down."""
+        if getattr(self, "sglang", None) is not None:
+            import asyncio
+
+            asyncio.run(self.sglang.shutdown())
+            self.sglang = None
+
+    def _engines_call(self, method: str) -> None:
+        import asyncio
+
+        async def call_all() -> None:
+            await asyncio.gather(*(getattr(e, method)() for e in self.admin_engines))
+
+        asyncio.run(call_all())
 
     def _sync_weights(self, version: str) -> float:
         t0 = time.perf_counter()
@@ -295,6 +321,8 @@ class Loop:
                                          {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
 
         t_train = time.perf_counter()
+        if cfg.cluster.colocate:  # the engines give their GPU memory to the trainer ...
+            self._engines_call("release_memory_occupation")
         gbs = cfg.trainer.global_batch_size
         steps = max(len(samples) // gbs, 1) if samples else 0
         per = -(-len(samples) // steps) if steps else 0
@@ -310,6 +338,8 @@ class Loop:
         for k in range(steps):
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
             train_metrics.append(self.trainer.train_step(chunk))
+        if cfg.cluster.colocate:  # ... and take it back to receive the new weights
+            self._engines_call("resume_memory_occupation")
         train_time = time.perf_counter() - t_train
         if pending is not None:  # engines finish the overlapped rollout before taking new weights
             self._next = pending.result()
@@ -405,6 +435,7 @@ class Loop:
             if not cfg.save_interval or self.state.step % cfg.save_interval:
                 self.save_checkpoint()
             self._executor.shutdown(wait=True)
+            self._stop_engines()
             return self._finish(start, ev)
 
     def _finish(self, start: dict[str, float], end: dict[str, float]) -> dict[str, Any]:

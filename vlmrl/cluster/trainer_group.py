@@ -52,9 +52,12 @@ class TrainerWorker:
 
     def sync_weights(self, engines: Sequence[Any], bucket_bytes: int, weight_version: str | None = None) -> int:
         """Gather the weights (collective) and, on global rank 0, push every bucket to every
-        engine actor. Returns the number of bytes sent per engine."""
+        engine: embedded engine actors (Ray handles) or SGLang servers (URLs). Returns the
+        number of bytes sent per engine."""
         import ray
 
+        if engines and isinstance(engines[0], str):
+            return self._sync_sglang(list(engines), bucket_bytes, weight_version)
         sent = 0
         for bucket in self.trainer.iter_hf_weights(bucket_bytes):
             if self.rank == 0:
@@ -63,6 +66,40 @@ class TrainerWorker:
                 sent += sum(t.numel() * t.element_size() for _, t in payload)
         if self.rank == 0:
             ray.get([e.update_weights_from_tensor.remote([], None, True, weight_version) for e in engines])
+        return sent
+
+    def _sync_sglang(self, urls: list[str], bucket_bytes: int, weight_version: str | None) -> int:
+        """SGLang: colocated engines read rank 0's GPU tensors through CUDA IPC handles
+        (/update_weights_from_tensor); engines on their own GPUs receive an NCCL broadcast
+        from rank 0 (/init_weights_update_group once, then /update_weights_from_distributed)."""
+        import asyncio
+
+        from ..rollout import sglang as sg
+        from ..rollout.client import HTTPEngine
+
+        colocate = self.cfg.cluster.colocate
+        if self.rank == 0 and getattr(self, "_http", None) is None:
+            self._loop = asyncio.new_event_loop()
+            fmt = "ipc" if colocate else "torch_save"
+            self._http = [HTTPEngine(u, name=f"sglang-{i}", tensor_format=fmt,
+                                     tp_size=self.cfg.rollout.gpus_per_engine) for i, u in enumerate(urls)]
+            self._group = None
+            if not colocate:
+                self._group = self._loop.run_until_complete(sg.init_weights_update_group_all(
+                    self._http, self.node_ip(), _free_port()))
+        sent = 0
+        for bucket in self.trainer.iter_hf_weights(bucket_bytes):
+            if self.rank != 0:
+                continue
+            if colocate:
+                calls = [e.update_weights_from_tensor(bucket, flush_cache=False) for e in self._http]
+                self._loop.run_until_complete(asyncio.gather(*calls))
+            else:
+                self._loop.run_until_complete(sg.update_weights_distributed(self._http, self._group, bucket,
+                                                                            bucket_bytes=None))
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self.rank == 0:
+            self._loop.run_until_complete(asyncio.gather(*(e.flush_cache() for e in self._http)))
         return sent
 
     def export_hf(self) -> dict[str, Any] | None:
