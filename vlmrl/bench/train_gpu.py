@@ -61,6 +61,24 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # CPU: a smoke test of the script with a small shape
 
 
+PROFILE_TOP = 0  # > 0: print the top kernels of a profiled step per variant (--profile N)
+
+
+def profile(step: Any, name: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        if CUDA:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
+    print(f"--- {name}: top {PROFILE_TOP} ops by {key} (2 steps)")
+    print(prof.key_averages().table(sort_by=key, row_limit=PROFILE_TOP, max_name_column_width=60))
+
+
 def timed(step: Any, iters: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         step()
@@ -93,6 +111,8 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
         model.zero_grad(set_to_none=True)
 
     times = timed(step, iters, warmup)
+    if PROFILE_TOP:
+        profile(step, "hf_sdpa")
     return {"times": times, "params": params_of(model)}
 
 
@@ -131,6 +151,8 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         model.zero_grad(set_to_none=True)
 
     times = timed(step, iters, warmup)
+    if PROFILE_TOP:
+        profile(step, "vlmrl")
     n = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
     destroy_parallel_state()
     return {"times": times, "params": n}
@@ -150,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--variants", default="hf_sdpa,vlmrl_megatron,vlmrl_megatron_fused")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
     args = ap.parse_args(argv)
+    global PROFILE_TOP
+    PROFILE_TOP = args.profile
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
