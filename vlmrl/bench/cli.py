@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
     rows = []
     for cmd in COMMANDS:
         times = time_command(cmd, args.repeats)
