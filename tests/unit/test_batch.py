@@ -1,0 +1,106 @@
+"""Training samples -> shifted targets, DP shards and micro-batches (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmrl.training.batch import TrainSample, build_micro_batch, micro_batches, shifted, split_by_tokens
+
+
+def sample(n_prompt: int, n_resp: int, adv: float = 0.0, offset: int = 10) -> TrainSample:
+    ids = list(range(offset, offset + n_prompt + n_resp))
+    return TrainSample(ids, [0.0] * n_prompt + [1.0] * n_resp, advantage=adv,
+                       rollout_logprobs=[-0.1 * (i + 1) for i in range(n_resp)])
+
+
+def test_shift_aligns_targets_masks_and_logprobs():
+    s = sample(3, 2)
+    targets, mask, rollout, old = shifted(s)
+    # logits at position t score token t+1: positions 2 and 3 score the two response tokens
+    assert mask.tolist() == [0, 0, 1, 1, 0]
+    assert targets[2].item() == s.input_ids[3] and targets[3].item() == s.input_ids[4]
+    assert rollout.tolist()[2:4] == pytest.approx([-0.1, -0.2])
+    assert old.abs().sum() == 0  # no old logprobs given
+
+
+def test_bad_lengths_and_untrainable_first_token_are_errors():
+    with pytest.raises(ValueError, match="loss_mask has 2 entries for 3 tokens"):
+        TrainSample([1, 2, 3], [0.0, 1.0])
+    with pytest.raises(ValueError, match="1 rollout_logprobs for 2 loss-masked tokens"):
+        TrainSample([1, 2, 3], [0.0, 1.0, 1.0], rollout_logprobs=[-1.0])
+    with pytest.raises(ValueError, match="first token"):
+        shifted(TrainSample([1, 2], [1.0, 1.0]))
+
+
+def test_split_by_tokens_balances_and_keeps_every_sample():
+    samples = [sample(5, n) for n in (1, 9, 3, 7, 2, 8)]
+    parts = split_by_tokens(samples, 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    loads = [sum(samples[i].num_tokens for i in p) for p in parts]
+    assert abs(loads[0] - loads[1]) <= max(s.num_tokens for s in samples)
+
+
+def test_micro_batches_by_budget_and_by_count():
+    assert micro_batches([5, 5, 5], max_tokens=None, micro_batch_size=2) == [[0, 1], [2]]
+    groups = micro_batches([6, 3, 5, 2, 9], max_tokens=10, micro_batch_size=1)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    lens = [6, 3, 5, 2, 9]
+    assert all(sum(lens[i] for i in g) <= 10 for g in groups)
+    assert micro_batches([12], max_tokens=10, micro_batch_size=1) == [[0]]  # too long: alone
+
+
+def test_micro_batch_packs_per_token_targets():
+    a, b = sample(3, 2, adv=1.0), sample(2, 3, adv=-0.5, offset=40)
+    mb = build_micro_batch([a, b], image_token_id=999, spatial_merge_size=2)
+    assert mb.packed.num_tokens == a.num_tokens + b.num_tokens
+    assert mb.loss_mask.sum() == 5
+    assert mb.advantages[mb.loss_mask > 0].tolist() == [1.0, 1.0, -0.5, -0.5, -0.5]
+    assert mb.rollout_logp[mb.loss_mask > 0].tolist() == pytest.approx([-0.1, -0.2, -0.1, -0.2, -0.3])
+    assert "old_logp" not in mb.extras
+
+
+def test_context_parallel_split_keeps_every_trained_token_once():
+    samples = [sample(5, 6), sample(4, 7, offset=50)]
+    whole = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2)
+    shares = [build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, cp_size=2, cp_rank=r)
+              for r in range(2)]
+    assert sum(float(s.loss_mask.sum()) for s in shares) == float(whole.loss_mask.sum())
+    picked = torch.cat([s.targets[s.loss_mask > 0] for s in shares]).sort().values
+    assert torch.equal(picked, whole.targets[whole.loss_mask > 0].sort().values)
+
+
+def test_responses_with_vision_tokens_are_left_out_and_counted(monkeypatch):
+    from types import SimpleNamespace
+
+    import vlmrl.data.prompts
+    from vlmrl.loop import train_samples
+
+    # the prompt encoding belongs to the data layer (tested there): fixed prompt ids here
+    monkeypatch.setattr(vlmrl.data.prompts, "encode_prompt", lambda processor, prompt: {
+        "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
+
+    def record(i: int, ids: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(prompt_index=0, sample_index=i, response_ids=ids, prompt_ids=None,
+                               logprobs=[-1.0] * len(ids))
+
+    samples, invalid = train_samples(None, {0: object()}, [record(0, [7, 8]), record(1, [7, 5, 8]), record(2, [])],
+                                     [0.5, -0.5, 0.0], {5})
+    assert invalid == 1 and len(samples) == 1
+    assert samples[0].input_ids == [1, 2, 3, 7, 8] and samples[0].loss_mask == [0, 0, 0, 1, 1]
+
+
+def test_verifier_params_reject_parameters_the_verifier_does_not_take():
+    import dataclasses
+
+    from vlmrl.config import load
+    from vlmrl.loop import verifier_params
+
+    cfg = load([])
+    assert verifier_params(cfg.reward) == {"_target_": "vlmrl.rewards.math.MathVerifier", "name": "math",
+                                           "timeout_s": 1.0, "num_workers": 2}
+    geo = load(["reward=geo3k_tol05"]).reward
+    assert verifier_params(geo)["tolerance"] == 0.05
+    bad = dataclasses.replace(cfg.reward, tolerance=0.05)
+    with pytest.raises(ValueError, match="reward.tolerance=0.05 is not a parameter"):
+        verifier_params(bad)
