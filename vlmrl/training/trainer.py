@@ -63,6 +63,13 @@ class MegatronTrainer:
                 c.eval().requires_grad_(False)
 
         self.model = self._wrap_ddp(chunks)
+        # Megatron's schedules call this after the last micro-batch: the DP gradient
+        # all-reduce, the sequence-parallel norm and tied-embedding reductions, and (with
+        # calculate_per_token_loss) the division by the global token count.
+        from megatron.core.distributed import finalize_model_grads
+
+        for c in chunks:
+            c.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._optimizer()
         self.scheduler = self._scheduler(total_steps or cfg.num_steps)
         self.tp_group = mps.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
@@ -125,8 +132,11 @@ class MegatronTrainer:
     def _vocab_start(self, logits: Tensor) -> int:
         return self.info.tp_rank * logits.shape[-1]
 
-    def _token_logprobs(self, logits: Tensor, mb: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        return logprobs_and_entropy(logits, mb.targets.to(logits.device), temperature=self._temperature(),
+    def _token_logprobs(self, logits: Tensor, mb: MicroBatch, with_entropy: bool,
+                        temperature: float | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logprobs of the targets; RL uses the rollout temperature (the engines' contract)."""
+        t = self._temperature() if temperature is None else temperature
+        return logprobs_and_entropy(logits, mb.targets.to(logits.device), temperature=t,
                                     vocab_start=self._vocab_start(logits), group=self.tp_group,
                                     with_entropy=with_entropy)
 
@@ -238,11 +248,11 @@ class MegatronTrainer:
         mbs = self._micro_batches(samples)
 
         def loss_fn(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
-            logp, _ = self._token_logprobs(logits, mb, with_entropy=False)
+            logp, _ = self._token_logprobs(logits, mb, with_entropy=False, temperature=1.0)
             mask = mb.loss_mask.to(logp.device)
             nll = -(torch.where(mask > 0, logp, 0.0) * mask).sum()
             n_tok = float(mask.sum())
-            return nll, mask.sum().round().to(torch.int), {"loss": float(nll), "_normaliser": n_tok,
+            return nll, mask.sum().round().to(torch.int), {"loss": float(nll.detach()), "_normaliser": n_tok,
                                                              "_tokens": n_tok}
 
         return self._step(mbs, loss_fn)
