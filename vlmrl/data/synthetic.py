@@ -9,8 +9,9 @@ answer: within a template the answer is drawn uniformly from four values and onl
 diagram tells which. A model that ignores the image is at `chance_accuracy()` (1/4).
 The diagrams are made to be learnable by a tiny ViT (14 px patches, 112 px images): the
 quantity to read is a count of big near-black dots (the vertices of a polygon, or points
-on a circle) on a light background, while position, size, rotation, colours and line
-widths vary from row to row so that no picture repeats.
+on a circle) on a light background, one dot per merged image token (see `render`), while
+which positions are used, jitter, fill, colours and line widths vary from row to row so
+that no picture repeats.
 
 Splits are deterministic by (seed, split) and disjoint: a rendered image belongs to the
 train split only if the first byte of its SHA-256 is even, to the test split only if odd,
@@ -116,38 +117,40 @@ def balanced_plan(num_rows: int, templates: tuple[Template, ...],
 
 
 # --------------------------------------------------------------------------- drawing
+SLOTS = 8  # dot positions: evenly spaced on a circle, each inside its own 28 px cell at 112 px
+
+
 def render(scene: str, count: int, size: int, rng: random.Random) -> Image.Image:
-    """A `size` x `size` diagram with `count` dots; layout and style drawn from `rng`."""
+    """A `size` x `size` diagram with `count` dots; layout and style drawn from `rng`.
+
+    The dots sit on `count` of `SLOTS` fixed positions around the centre (jittered by 2% of
+    the size), so at 112 px each dot falls inside one 28 px cell, i.e. one merged image
+    token of the tiny model's ViT: big, dark, one per token, which a tiny model learns to
+    count within a few hundred optimizer steps (smaller dots spread over patch borders are
+    not learned in that budget)."""
     img = Image.new("RGB", (size, size), _light(rng))
     draw = ImageDraw.Draw(img)
-    dot = max(3, round(size / 16))  # dot radius: a dot covers about one 14 px patch at 112 px
-    radius = rng.uniform(0.26, 0.36) * size
-    margin = radius + dot + 2
-    cx, cy = rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
-    line = rng.randint(max(1, size // 56), max(2, size // 28))
-    angles = _spread_angles(count, rng)
-    points = [(cx + radius * math.cos(a), cy + radius * math.sin(a)) for a in angles]
+    dot = max(3, round(size / 12))  # dot radius
+    centre, radius = size / 2, 0.357 * size
+    jitter = 0.02 * size
+    slots = sorted(rng.sample(range(SLOTS), count))
+    angles = [math.pi / SLOTS + s * 2 * math.pi / SLOTS for s in slots]
+    points = [(centre + radius * math.cos(a) + rng.uniform(-jitter, jitter),
+               centre + radius * math.sin(a) + rng.uniform(-jitter, jitter)) for a in angles]
+    line = rng.randint(1, max(2, size // 56))
+    fill = _colour(rng, 0.1, 0.4, 0.85, 1.0) if rng.random() < 0.5 else None
+    outline = _colour(rng, 0.4, 0.8, 0.55, 0.8)
     if scene == "polygon":
-        draw.polygon(points, fill=_colour(rng, 0.2, 0.5, 0.85, 1.0),
-                     outline=_colour(rng, 0.6, 0.9, 0.55, 0.75), width=line)
+        draw.polygon(points, fill=fill, outline=outline, width=line)
     elif scene == "circle":
-        box = (cx - radius, cy - radius, cx + radius, cy + radius)
-        fill = _colour(rng, 0.2, 0.5, 0.85, 1.0) if rng.random() < 0.5 else None
-        draw.ellipse(box, fill=fill, outline=_colour(rng, 0.6, 0.9, 0.5, 0.75), width=line)
+        draw.ellipse((centre - radius, centre - radius, centre + radius, centre + radius),
+                     fill=fill, outline=outline, width=line)
     else:
         raise ValueError(f"unknown scene {scene!r}")
     ink = tuple(rng.randint(0, 40) for _ in range(3))
     for x, y in points:
         draw.ellipse((x - dot, y - dot, x + dot, y + dot), fill=ink)
     return img
-
-
-def _spread_angles(count: int, rng: random.Random) -> list[float]:
-    """`count` angles around a circle, evenly spaced then jittered by up to a fifth of the
-    spacing each way (neighbours stay at least 0.6 spacing apart: dots never touch)."""
-    step = 2 * math.pi / count
-    start = rng.uniform(0, 2 * math.pi)
-    return [start + i * step + rng.uniform(-0.2, 0.2) * step for i in range(count)]
 
 
 def _light(rng: random.Random) -> tuple[int, int, int]:
