@@ -207,16 +207,21 @@ def _arg_meta(annotation: ast.expr) -> tuple[ast.expr, dict[str, Any]] | None:
     if isinstance(meta, (ast.Constant, ast.JoinedStr, ast.BinOp)):
         return typ, {}
     if isinstance(meta, ast.Call) and isinstance(meta.func, ast.Name) and meta.func.id == "Arg":
-        kw: dict[str, Any] = {}
-        for k in meta.keywords:
-            if k.arg is None:
-                continue
-            try:
-                kw[k.arg] = ast.literal_eval(k.value)
-            except ValueError:
-                kw[k.arg] = ast.unparse(k.value)
-        return typ, kw
+        return typ, _literal_keywords(meta.keywords)
     return None
+
+
+def _literal_keywords(keywords: list[ast.keyword]) -> dict[str, Any]:
+    """A call's keyword arguments: literals evaluated, anything else as source text."""
+    kw: dict[str, Any] = {}
+    for k in keywords:
+        if k.arg is None:
+            continue
+        try:
+            kw[k.arg] = ast.literal_eval(k.value)
+        except ValueError:
+            kw[k.arg] = ast.unparse(k.value)
+    return kw
 
 
 def _choices(kw: dict[str, Any]) -> tuple[str, ...]:
@@ -232,16 +237,8 @@ def _manual_flags(tree: ast.AST) -> list[tuple[list[str], dict[str, Any]]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
             names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            kw: dict[str, Any] = {}
-            for k in node.keywords:
-                if k.arg is None:
-                    continue
-                try:
-                    kw[k.arg] = ast.literal_eval(k.value)
-                except ValueError:
-                    kw[k.arg] = ast.unparse(k.value)
             if names:
-                out.append((names, kw))
+                out.append((names, _literal_keywords(node.keywords)))
     return out
 
 
