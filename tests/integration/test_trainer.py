@@ -1,0 +1,56 @@
+"""The Megatron trainer's step: its gradient is the gradient of the per-token mean loss.
+
+Megatron sums per-token losses and divides by the global token count only in
+`finalize_model_grads` (which also all-reduces over DP): the step's reported gradient norm
+must equal that of HF transformers' mean NLL over the same tokens, same weights.
+"""
+
+from __future__ import annotations
+
+from vlmrl.training.parallel_state import spawn_local
+
+
+def _sft_grad_norm(rank: int, world: int, cfg, path: str) -> tuple[float, float]:
+    import torch
+    from PIL import Image, ImageDraw
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.processor import load_processor
+    from vlmrl.training.batch import TrainSample
+    from vlmrl.training.trainer import MegatronTrainer
+
+    d = cfg.data
+    proc = load_processor(path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+    samples = []
+    for k, answer in enumerate(("3", "45", "720")):
+        img = Image.new("RGB", (112, 112), "white")
+        ImageDraw.Draw(img).ellipse((20 + 10 * k, 20, 60 + 10 * k, 60), fill="black")
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many points?"}]}]
+        text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        enc = proc(text=[text], images=[img], return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        resp = proc.tokenizer(f"Answer: \\boxed{{{answer}}}<|im_end|>")["input_ids"]
+        samples.append(TrainSample(ids + resp, [0.0] * len(ids) + [1.0] * len(resp), enc["pixel_values"],
+                                   enc["image_grid_thw"]))
+
+    hf = AutoModelForImageTextToText.from_pretrained(path).float()
+    nll, tokens = 0.0, 0
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        out = hf(input_ids=ids, pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw,
+                 mm_token_type_ids=(ids == cfg.model.image_token_id).long())
+        logp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(s.loss_mask[1:])
+        nll = nll - (logp * mask).sum()
+        tokens += int(mask.sum())
+    (nll / tokens).backward()
+    hf_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in hf.parameters() if p.grad is not None)).item()
+
+    trainer = MegatronTrainer(cfg, path)
+    metrics = trainer.sft_step(samples)
+    return metrics["grad_norm"], hf_norm
+
+
+def test_step_gradient_is_the_per_token_mean(tiny_config, tiny_checkpoint):
+    megatron_norm, hf_norm = spawn_local(_sft_grad_norm, 1, tiny_config, tiny_checkpoint)[0]
+    assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)
