@@ -10,13 +10,12 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import datasets
 import pytest
+from _http import FileServer
 from PIL import Image
 
 from vlmrl.config.schema import DataConfig, SyntheticDataConfig
@@ -197,33 +196,10 @@ def test_bad_rows_of_a_parquet_split_are_skipped_and_named(geo3k_dir, processor)
     assert all(p.images[0].size == (112, 112) for p in prompts)
 
 
-class Server:
-    def __init__(self, files: dict[str, bytes]):
-        files_ = files
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                body = files_.get(self.path)
-                self.send_response(200 if body else 404)
-                self.end_headers()
-                self.wfile.write(body or b"")
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_jsonl_with_paths_data_uris_and_urls(tmp_path, processor):
     png = encode_png(diagram())
     (tmp_path / "d.png").write_bytes(png)
-    server = Server({"/d.png": png})
+    server = FileServer({"/d.png": png})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/d.png"

@@ -6,11 +6,10 @@ import base64
 import io
 import socket
 import struct
-import threading
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from _http import FileServer
 from PIL import Image
 
 from vlmrl.data.images import (
@@ -44,37 +43,9 @@ def png_with_header_size(width: int, height: int) -> bytes:
     return bytes(data)
 
 
-class ImageServer:
-    """Serves `files` (path -> bytes) on 127.0.0.1 from a thread and counts requests."""
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files, self.requests = files, []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                server.requests.append(self.path)
-                body = server.files.get(self.path)
-                self.send_response(200 if body is not None else 404)
-                self.end_headers()
-                self.wfile.write(body or b"")
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def server():
-    srv = ImageServer({"/diagram.png": encode_png(sample_image())})
+    srv = FileServer({"/diagram.png": encode_png(sample_image())})
     yield srv
     srv.close()
 

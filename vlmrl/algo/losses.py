@@ -198,6 +198,18 @@ def _pg_metrics(pg_loss: Tensor, is_clipped: Tensor, log_ratio: Tensor, loss_mas
     }
 
 
+def _clipped_loss(ratio: Tensor, log_ratio: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
+                  eps_clip: float, eps_clip_high: float, agg_mode: str, token_weights: Tensor | None,
+                  normaliser: Tensor | float | None, max_response_len: int | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped surrogate of per-token `ratio`s, weighted, aggregated, with its metrics
+    (shared by PPO's token ratios and GSPO's sequence ratios)."""
+    per_token, is_clipped = _clipped_surrogate(ratio, advantages, 1.0 - eps_clip, 1.0 + eps_clip_high)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
+    loss = aggregate(per_token, loss_mask, cu_seqlens, agg_mode, max_response_len, normaliser=normaliser)
+    return loss, _pg_metrics(loss, is_clipped, log_ratio, loss_mask)
+
+
 def ppo_clip_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -224,12 +236,8 @@ def ppo_clip_loss(
     valid, _ = _mask(loss_mask, logp)
     log_ratio = torch.where(valid, logp - old_logp.detach(), 0.0)
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    per_token, is_clipped = _clipped_surrogate(
-        ratio, advantages, 1.0 - eps_clip, 1.0 + eps_clip_high)
-    if token_weights is not None:
-        per_token = per_token * token_weights.detach().to(per_token.dtype)
-    loss = aggregate(per_token, loss_mask, cu_seqlens, agg_mode, max_response_len, normaliser=normaliser)
-    return loss, _pg_metrics(loss, is_clipped, log_ratio, loss_mask)
+    return _clipped_loss(ratio, log_ratio, advantages, loss_mask, cu_seqlens, eps_clip, eps_clip_high, agg_mode,
+                         token_weights, normaliser, max_response_len)
 
 
 def gspo_loss(
@@ -265,12 +273,8 @@ def gspo_loss(
     token_seq_mean = seq_mean[seq_ids_from_cu_seqlens(cu.to(logp.device), logp.shape[0])]
     seq_log_ratio = token_seq_mean + (log_ratio - log_ratio.detach())
     ratio = torch.exp(seq_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    per_token, is_clipped = _clipped_surrogate(
-        ratio, advantages, 1.0 - eps_clip, 1.0 + eps_clip_high)
-    if token_weights is not None:
-        per_token = per_token * token_weights.detach().to(per_token.dtype)
-    loss = aggregate(per_token, loss_mask, cu_seqlens, agg_mode, max_response_len, normaliser=normaliser)
-    return loss, _pg_metrics(loss, is_clipped, log_ratio, loss_mask)
+    return _clipped_loss(ratio, log_ratio, advantages, loss_mask, cu_seqlens, eps_clip, eps_clip_high, agg_mode,
+                         token_weights, normaliser, max_response_len)
 
 
 # --------------------------------------------------------------------------- KL, entropy, TIS
