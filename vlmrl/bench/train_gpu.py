@@ -11,10 +11,9 @@ Variants (all on the same weights' shapes):
   attn_implementation="sdpa", one padded-free batch row of `seq` tokens.
 - vlmrl_megatron: the bridge's Megatron model (fused QKV and gate/up GEMMs, flash varlen
   attention on the packed sequence), loss through vlmrl's vocab-parallel logprobs.
-- vlmrl_megatron_fused: the same with Megatron's jit SwiGLU fusion and fused bias-dropout-add
-  (available without TransformerEngine / apex).
-- vlmrl_megatron_compiled: every transformer layer and the logprob/loss under torch.compile
-  (norms, rotary, SwiGLU and residual adds fused by Inductor; `trainer.compile=true`).
+- vlmrl_megatron_fused: the same with `hardware.fused_kernels=true` (the GPU hardware
+  configs' setting): Inductor-compiled RMSNorm, M-RoPE and log-softmax
+  (`vlmrl.models.kernels`) and megatron-core's compiled SwiGLU.
 """
 
 from __future__ import annotations
@@ -79,19 +78,40 @@ def profile(step: Any, name: str) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=PROFILE_TOP, max_name_column_width=60))
 
 
-def timed(step: Any, iters: int, warmup: int) -> list[float]:
+CPROFILE_TOP = 0  # > 0: print the top Python functions (by own time) of 5 steps (--cprofile N)
+
+
+def host_profile(step: Any, name: str) -> None:
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(5):
+        step()
+    if CUDA:
+        torch.cuda.synchronize()
+    pr.disable()
+    print(f"--- {name}: top {CPROFILE_TOP} Python functions by own time (5 steps)")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(CPROFILE_TOP)
+
+
+def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Wall seconds per step, and host seconds (until the step has queued its last kernel:
+    close to the wall time means the step is bound by Python / kernel launches)."""
     for _ in range(warmup):
         step()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         if CUDA:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
+        host.append(time.perf_counter() - t0)
         if CUDA:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times
+    return {"times": times, "host_times": host}
 
 
 def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
@@ -110,14 +130,16 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
-    times = timed(step, iters, warmup)
+    r = timed(step, iters, warmup)
     if PROFILE_TOP:
         profile(step, "hf_sdpa")
-    return {"times": times, "params": params_of(model)}
+    if CPROFILE_TOP:
+        host_profile(step, "hf_sdpa")
+    return {**r, "params": params_of(model)}
 
 
-def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: int, fused: bool,
-                compiled: bool = False) -> dict[str, Any]:
+def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: int,
+                fused: bool) -> dict[str, Any]:
     from ..config.schema import ParallelConfig
     from ..models.bridge import build_model
     from ..training.batch import TrainSample, build_micro_batch
@@ -126,36 +148,31 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
 
     parallel = ParallelConfig(name="bench")
     init_parallel_state(parallel, backend="nccl" if CUDA else "gloo", seed=0)
-    overrides = {"bias_activation_fusion": True, "bias_dropout_fusion": True} if fused else {}
     chunks = build_model(mcfg, parallel, params_dtype=torch.bfloat16 if CUDA else torch.float32, attention_backend="sdpa",
-                         megatron_overrides=overrides)
+                         fused_kernels=fused)
     model = chunks[0].train()
-    logprobs_fn = logprobs_and_entropy
-    if compiled:
-        from ..models.bridge import compile_layers
-
-        compile_layers(model)
-        logprobs_fn = torch.compile(logprobs_and_entropy)
     per = ids.numel() // samples
     batch = [TrainSample(input_ids=ids[i * per:(i + 1) * per].tolist(),
                          loss_mask=[0.0] + [1.0] * (per - 1)) for i in range(samples)]
     mb = build_micro_batch(batch, image_token_id=mcfg.image_token_id, spatial_merge_size=2)
-    packed = mb.packed.to(DEVICE)
+    packed = mb.packed  # host-side, as the trainer passes it (the model moves what it needs)
     targets, mask = mb.targets.to(DEVICE), mb.loss_mask.to(DEVICE)
 
     def step() -> None:
         logits = model(packed)
-        logp, _ = logprobs_fn(logits, targets, with_entropy=False)
+        logp, _ = logprobs_and_entropy(logits, targets, with_entropy=False, fused=fused)
         loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    times = timed(step, iters, warmup)
+    r = timed(step, iters, warmup)
     if PROFILE_TOP:
-        profile(step, "vlmrl")
+        profile(step, f"vlmrl (fused={fused})")
+    if CPROFILE_TOP:
+        host_profile(step, f"vlmrl (fused={fused})")
     n = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
     destroy_parallel_state()
-    return {"times": times, "params": n}
+    return {**r, "params": n}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="hf_sdpa,vlmrl_megatron,vlmrl_megatron_fused")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
+    ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
     args = ap.parse_args(argv)
-    global PROFILE_TOP
-    PROFILE_TOP = args.profile
+    global PROFILE_TOP, CPROFILE_TOP
+    PROFILE_TOP, CPROFILE_TOP = args.profile, args.cprofile
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
@@ -192,16 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         if variant == "hf_sdpa":
             r = bench_hf(mcfg, ids, args.iters, args.warmup)
         else:
-            r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused="fused" in variant,
-                            compiled="compiled" in variant)
+            r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused="fused" in variant)
         med = statistics.median(r["times"])
         embed = args.vocab * args.hidden
         fpt = flops_per_token(r["params"] - embed, args.layers, args.hidden, args.seq) + 6 * embed
-        rows.append({"variant": variant, "median_s": med, "tokens_per_s": args.seq / med,
+        rows.append({"variant": variant, "median_s": med, "host_median_s": statistics.median(r["host_times"]),
+                     "tokens_per_s": args.seq / med,
                      "tflops": fpt * args.seq / med / 1e12, "params": r["params"],
                      "spread_s": [min(r["times"]), max(r["times"])]})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
-              f"median {med * 1e3:.1f} ms", flush=True)
+              f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms)", flush=True)
     base = next((r for r in rows if r["variant"] == "hf_sdpa"), None)
     for r in rows:
         r["vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None

@@ -172,6 +172,10 @@ class HardwareConfig(Sealable):
     vision_attn_implementation: str = "sdpa"
     # attention of the Megatron language model: "sdpa" (torch SDPA / flash kernels) or "local"
     lm_attention_backend: str = "sdpa"
+    # Inductor-compiled (torch.compile) RMSNorm, M-RoPE and log-softmax plus megatron-core's
+    # compiled SwiGLU in the trainer (vlmrl.models.kernels); needs a compiler toolchain
+    # (Triton on GPUs), so off on CPU.
+    fused_kernels: bool = False
     train_dtype: str = "float32"  # float32 | bfloat16 (mixed precision on GPUs)
 
 

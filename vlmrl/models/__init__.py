@@ -7,6 +7,8 @@ torch or megatron. Modules:
 - `attention`: packed (THD) core attention on torch SDPA / flash varlen, context parallel
 - `mrope`: M-RoPE cos/sin tables and rotation (pure)
 - `norm`: RMSNorm for the specs (HF numerics, sequence parallel)
+- `kernels`: Inductor-fused twins of the elementwise functions (`hardware.fused_kernels`)
+- `fused_layer`: the transformer layer whose dense body runs as two compiled graphs
 - `adapters`: HF <-> Megatron weights (load, export, bucketed iteration for weight sync)
 - `parity`: HF / cross-layout parity checks and their CLI (`python -m vlmrl.models.parity`)
 - `names`, `processor`, `tiny`: HF names, processor loading, the tiny checkpoint

@@ -9,6 +9,7 @@ this module takes the THD tensors Megatron hands it ([t, heads, head_dim] when
   forward from the packed [3, T] positions); Megatron's own rotary path gets no
   embedding, since its THD rope indexes a 1D table per sequence and cannot express
   per-token 3D positions.
+- `fused=True` (`hardware.fused_kernels`): the rotary step runs Inductor-compiled.
 - backend "sdpa": `varlen_attn` (flash) on CUDA in half precision, else one causal
   `scaled_dot_product_attention` call per sample (exact in fp32 on CPU).
 - backend "eager": explicit masked softmax, for debugging.
@@ -33,7 +34,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from .mrope import apply_rope
+from .kernels import pick
+from .mrope import rope_qk
 
 BACKENDS = ("sdpa", "eager")
 
@@ -50,6 +52,9 @@ class VLPackedSeqParams(PackedSeqParams):
     rope_sin: Tensor | None = None
     cp_size: int = 1
     cp_rank: int = 0
+    # the sample offsets as host integers (from the CPU-side packing): reading them off the
+    # device tensors would stall the host on the GPU once per forward
+    host_offsets: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._cache: dict[str, Any] = {}
@@ -62,7 +67,8 @@ class VLPackedSeqParams(PackedSeqParams):
     def layout(self) -> dict[str, Any]:
         """Host-side layout of the samples (computed once per forward, shared by layers)."""
         if "layout" not in self._cache:
-            whole = [int(x) for x in self.offsets.tolist()]
+            whole = list(self.host_offsets) if self.host_offsets is not None \
+                else [int(x) for x in self.offsets.tolist()]
             lens = [b - a for a, b in zip(whole[:-1], whole[1:])]
             self._cache["layout"] = {"whole_offsets": whole, "lens": lens,
                                      "local_offsets": [x // self.cp_size for x in whole]}
@@ -115,11 +121,12 @@ class PackedSelfAttentionCore(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", cp_comm_type: str | None = None,
                  softmax_scale: float | None = None, pg_collection: Any = None, backend: str = "sdpa",
-                 **_: Any) -> None:
+                 fused: bool = False, **_: Any) -> None:
         super().__init__(config=config)
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
         self.backend = backend
+        self._rope_qk = pick(rope_qk, fused)
         self.layer_number = layer_number
         self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         head_dim = config.kv_channels
@@ -191,8 +198,11 @@ class PackedSelfAttentionCore(MegatronModule):
             return self._forward_batched(query, key, value)
         p = packed_seq_params
         if isinstance(p, VLPackedSeqParams) and p.rope_cos is not None:
-            query = apply_rope(query, p.rope_cos, p.rope_sin)
-            key = apply_rope(key, p.rope_cos, p.rope_sin)
+            query, key = self._rope_qk(query, key, p.rope_cos, p.rope_sin)
+        return self.attend(query, key, value, p)
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, p: PackedSeqParams) -> Tensor:
+        """Attention within each packed sample of rotated q [T, h, d], k/v [T, g, d] -> [T, h*d]."""
         cp = p.cp_size if isinstance(p, VLPackedSeqParams) else 1
         if cp > 1:
             out = self._forward_cp(query, key, value, p)

@@ -37,8 +37,12 @@ def layer_types(model: ModelConfig) -> list[str]:
 
 # --------------------------------------------------------------------------- config
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32,
-                       overrides: Mapping[str, Any] | None = None, num_layers: int | None = None) -> Any:
-    """megatron-core TransformerConfig of `model.lm` under `parallel` (+ verbatim overrides)."""
+                       overrides: Mapping[str, Any] | None = None, num_layers: int | None = None,
+                       fused_kernels: bool = False) -> Any:
+    """megatron-core TransformerConfig of `model.lm` under `parallel` (+ verbatim overrides).
+
+    fused_kernels: megatron-core's torch.compile'd SwiGLU (forward and backward).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     lm = model.lm
@@ -89,13 +93,20 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_d
                       moe_ffn_hidden_size=lm.moe_ffn_hidden_size,
                       moe_shared_expert_intermediate_size=lm.shared_expert_ffn_hidden_size or None)
     kwargs.update(compat.megatron_config_defaults())
+    # megatron-core's compiled SwiGLU; the bias-dropout-add fusion stays off: with no bias and
+    # no dropout the residual add is one kernel already, and the compiled version would trace
+    # dropout(p=0) into a random mask
+    kwargs["bias_activation_fusion"] = fused_kernels
     kwargs.update(dict(overrides or {}))
     return TransformerConfig(**kwargs)
 
 
 # --------------------------------------------------------------------------- specs
-def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = "sdpa") -> Any:
-    """ModuleSpec of one transformer layer of the given type."""
+def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = "sdpa",
+               fused_kernels: bool = False) -> Any:
+    """ModuleSpec of one transformer layer of the given type (`fused_kernels`: the
+    compiled dense layer of `vlmrl.models.fused_layer`, and the Inductor-compiled norms and
+    rotary of `vlmrl.models.kernels` where it falls back to Megatron's forward)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -110,7 +121,7 @@ def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = 
 
     lm = model.lm
     backend = LocalSpecProvider()
-    norm = qk_norm = RMSNorm
+    norm = qk_norm = ModuleSpec(module=RMSNorm, params={"fused": fused_kernels})
     if lm.num_experts:
         raise NotImplementedError("MoE MLP layers come with the Qwen3.5 bridge")
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
@@ -123,7 +134,8 @@ def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = 
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(
                 linear_qkv=backend.column_parallel_linear(),
-                core_attention=ModuleSpec(module=PackedSelfAttentionCore, params={"backend": attention_backend}),
+                core_attention=ModuleSpec(module=PackedSelfAttentionCore,
+                                          params={"backend": attention_backend, "fused": fused_kernels}),
                 linear_proj=backend.row_parallel_linear(),
                 q_layernorm=qk_norm if lm.qk_layernorm else IdentityOp,
                 k_layernorm=qk_norm if lm.qk_layernorm else IdentityOp,
@@ -133,8 +145,13 @@ def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = 
         raise NotImplementedError("Gated DeltaNet (linear_attention) layers come with the Qwen3.5 bridge")
     else:
         raise ValueError(f"unknown layer type {layer_type!r}")
+    layer = TransformerLayer
+    if fused_kernels:
+        from .fused_layer import FusedTransformerLayer
+
+        layer = FusedTransformerLayer
     return ModuleSpec(
-        module=TransformerLayer,
+        module=layer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=mixer,
@@ -157,24 +174,26 @@ def stage_layers(config: Any, *, pp_rank: int | None = None, vp_stage: int | Non
 
 
 def block_spec(model: ModelConfig, config: Any, *, attention_backend: str = "sdpa",
-               pp_rank: int | None = None, vp_stage: int | None = None) -> Any:
+               pp_rank: int | None = None, vp_stage: int | None = None, fused_kernels: bool = False) -> Any:
     """TransformerBlockSubmodules with the layer specs of this pipeline stage only."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from .norm import RMSNorm
 
     types = layer_types(model)[: config.num_layers]
     offset, count = stage_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
-    specs = {t: layer_spec(model, t, attention_backend=attention_backend) for t in set(types)}
+    specs = {t: layer_spec(model, t, attention_backend=attention_backend, fused_kernels=fused_kernels)
+             for t in set(types)}
     return TransformerBlockSubmodules(layer_specs=[specs[t] for t in types[offset:offset + count]],
-                                      layer_norm=RMSNorm)
+                                      layer_norm=ModuleSpec(module=RMSNorm, params={"fused": fused_kernels}))
 
 
 # --------------------------------------------------------------------------- model
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: torch.dtype | None = None,
                 attention_backend: str = "sdpa", vision_attn_implementation: str = "sdpa",
                 megatron_overrides: Mapping[str, Any] | None = None, num_layers: int | None = None,
-                hf_vision_config: Any = None) -> list[Any]:
+                hf_vision_config: Any = None, fused_kernels: bool = False) -> list[Any]:
     """This rank's model chunks (one per virtual pipeline stage), on the current device.
 
     Needs Megatron's parallel state (`vlmrl.training.parallel_state.init_parallel_state`).
@@ -187,7 +206,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
 
     dtype = params_dtype or DTYPES[model.dtype]
     config = transformer_config(model, parallel, params_dtype=dtype, overrides=megatron_overrides,
-                                num_layers=num_layers)
+                                num_layers=num_layers, fused_kernels=fused_kernels)
     vision_cfg = hf_vision_config if hf_vision_config is not None else hf_config(model).vision_config
     rope = MRopeSpec.from_lm_config(model.lm)
     vpp = parallel.vpp or 1
@@ -196,7 +215,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
         vp_stage = vp if parallel.vpp else None
         pre = mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        spec = block_spec(model, config, attention_backend=attention_backend, vp_stage=vp_stage)
+        spec = block_spec(model, config, attention_backend=attention_backend, vp_stage=vp_stage,
+                          fused_kernels=fused_kernels)
         chunk = QwenVLModel(config, spec, vocab_size=model.lm.vocab_size,
                             max_sequence_length=model.lm.max_position_embeddings, rope=rope,
                             hf_vision_config=vision_cfg, tie_word_embeddings=model.lm.tie_word_embeddings,
@@ -273,14 +293,3 @@ def with_layers(model: ModelConfig, num_layers: int) -> ModelConfig:
                              layer_types=list(model.lm.layer_types[:num_layers]))
     return dataclasses.replace(model, lm=lm)
 
-
-def compile_layers(chunk: Any) -> None:
-    """torch.compile every transformer layer of a model chunk, in place.
-
-    Inductor fuses what TransformerEngine would otherwise provide (norms, rotary, SwiGLU,
-    residual adds); layers share one compiled graph since they have the same structure.
-    """
-    import torch
-
-    for layer in chunk.language_model.decoder.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)

@@ -91,3 +91,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries and keys rotated by the same per-token tables (one fused call on GPUs)."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -56,6 +56,7 @@ class RunResult:
     # max |HF weights - weights exported back from the loaded Megatron model| (0: bitwise)
     roundtrip: float = float("nan")
     buckets: int = 0  # buckets of 256 KiB the weights came in (iter_hf_weights)
+    fast_path_layers: int = 0  # layers that ran the compiled dense path (fused_kernels)
 
 
 def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (1, 6, 4)),
@@ -159,7 +160,7 @@ def hf_reference(net: Any, batch: ParityBatch, model: ModelConfig) -> RunResult:
 
 # --------------------------------------------------------------------------- megatron side
 def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[str, Any], batch: ParityBatch,
-                 *, name: str, attention_backend: str = "sdpa") -> RunResult | None:
+                 *, name: str, attention_backend: str = "sdpa", fused_kernels: bool = False) -> RunResult | None:
     """Forward + backward of the parity loss under `parallel`; the result on global rank 0.
 
     Collective over the whole default process group (the layout must cover it).
@@ -178,7 +179,7 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
     info = init_parallel_state(parallel, seed=batch.seed)
     try:
         chunks = build_model(model, parallel, params_dtype=torch.float32, attention_backend=attention_backend,
-                             megatron_overrides={"calculate_per_token_loss": True})
+                             megatron_overrides={"calculate_per_token_loss": True}, fused_kernels=fused_kernels)
         adapters.load_hf_weights(chunks, model, hf_state)
         exported = {k: v.cpu() for k, v in adapters.export_hf_state_dict(chunks, model).items()}
         expected = dict(adapters.canonical(hf_state))
@@ -254,7 +255,9 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
         if dist.get_rank() != 0:
             return None
         logits = next(p for p in gathered if p is not None)
-        return RunResult(name, logits, grads, roundtrip, buckets)
+        fast = sum(bool(getattr(layer, "fast_path", False))
+                   for c in chunks for layer in c.language_model.decoder.layers)
+        return RunResult(name, logits, grads, roundtrip, buckets, fast)
     finally:
         destroy_parallel_state()
 
@@ -304,8 +307,9 @@ def layout_name(p: ParallelConfig) -> str:
 
 
 def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[ParallelConfig], seed: int,
-           with_hf: bool = True) -> dict[str, Any] | None:
-    """Per-process body (`parallel_state.spawn_local`): HF reference, then each layout."""
+           with_hf: bool = True, fused_kernels: bool = False) -> dict[str, Any] | None:
+    """Per-process body (`parallel_state.spawn_local`): HF reference, then each layout
+    (`fused_kernels`: with the Inductor-fused kernels of `hardware.fused_kernels`)."""
     import torch
 
     # an fp32 check: no TF32 in matmuls or convolutions on GPUs
@@ -321,7 +325,7 @@ def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[Paralle
     del net
     torch.manual_seed(seed)
     for layout in layouts:
-        res = run_megatron(model, layout, hf_state, batch, name=layout_name(layout))
+        res = run_megatron(model, layout, hf_state, batch, name=layout_name(layout), fused_kernels=fused_kernels)
         if rank == 0:
             results[res.name] = res
     return results if rank == 0 else None
@@ -379,7 +383,7 @@ def format_table(checks: list[Check]) -> str:
 
 
 def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int = 0,
-               timeout_s: float = 900.0) -> list[Check]:
+               timeout_s: float = 900.0, fused_kernels: bool = False) -> list[Check]:
     """Spawn the gloo processes, run HF + single + `layouts`, return the checks."""
     from ..training.parallel_state import spawn_local
 
@@ -387,7 +391,8 @@ def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int =
     for p in layouts:
         if world % (p.tp * p.pp * p.cp):
             raise ValueError(f"layout {layout_name(p)} does not divide the {world} processes")
-    results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, timeout_s=timeout_s)[0]
+    results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, True, fused_kernels,
+                          timeout_s=timeout_s)[0]
     return compare(results)
 
 
@@ -402,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         layouts: list[ParallelConfig] = []
     else:
         layouts = [dataclasses.replace(parallel)]
-    checks = run_parity(model, layouts, seed=cfg.seed)
+    fused = cfg.hardware.fused_kernels
+    checks = run_parity(model, layouts, seed=cfg.seed, fused_kernels=fused)
     print(f"model={model.name} family={model.family} layers={model.lm.num_layers} "
-          f"vision_depth={model.vision.depth} layout={layout_name(parallel)} (fp32, CPU/gloo)")
+          f"vision_depth={model.vision.depth} layout={layout_name(parallel)} fused_kernels={fused} "
+          "(fp32, CPU/gloo)")
     print(format_table(checks))
     return 0 if all(c.ok for c in checks) else 1
 

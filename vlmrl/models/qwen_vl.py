@@ -85,7 +85,8 @@ class QwenVLModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def packed_seq_params(self, packed: PackedSequence, device: torch.device) -> VLPackedSeqParams:
-        cos, sin = mrope_cos_sin(packed.position_ids.to(device), self.rope, dtype=torch.float32)
+        # computed in float32, then cast once to the activations' dtype (as HF does)
+        cos, sin = mrope_cos_sin(packed.position_ids.to(device), self.rope, dtype=self.config.params_dtype)
         cu = packed.cu_seqlens.to(device=device, dtype=torch.int32)
         cu_padded = packed.cu_seqlens_padded.to(device=device, dtype=torch.int32)
         cp_group = None
@@ -97,14 +98,15 @@ class QwenVLModel(MegatronModule):
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
             cu_seqlens_kv_padded=cu_padded, max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen,
             cp_group=cp_group, rope_cos=cos, rope_sin=sin, cp_size=packed.cp_size, cp_rank=packed.cp_rank,
+            host_offsets=[int(x) for x in packed.cu_seqlens_padded.tolist()],
         )
 
     def embed(self, packed: PackedSequence, pixel_values: Tensor | None, device: torch.device) -> Tensor:
         """Token embeddings [T, 1, hidden] with image features in the placeholder rows."""
+        n_here = int((packed.input_ids == packed.image_token_id).sum())  # host side: no device sync
         input_ids = packed.input_ids.to(device)
         emb = self.language_model.embedding(input_ids=input_ids.unsqueeze(0), position_ids=None)
         is_image = input_ids == packed.image_token_id
-        n_here = int(is_image.sum())
         if packed.cp_size == 1:
             check_image_tokens(packed)
         if packed.num_image_tokens == 0:

@@ -3,8 +3,10 @@
 The output layer is column-parallel: each tensor-parallel rank holds logits for a slice of
 the vocabulary. Logprobs of the targets and the entropy need the softmax over the whole
 vocabulary; three all-reduces (max, sum of exp, the target logit and sum p*logit) give them
-without gathering the logits. With tp == 1 this is a plain log_softmax. The contract is the
-rollout engines' one: logprobs of log_softmax(logits / T).
+without gathering the logits. With tp == 1 this is a plain log_softmax (`log_softmax_pick`,
+Inductor-fused with `fused=True`: one pass over the bf16 logits instead of a float32 copy
+and several passes over it). The contract is the rollout engines' one: logprobs of
+log_softmax(logits / T).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..models.kernels import pick
 
 
 def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType) -> Tensor:
@@ -27,11 +31,26 @@ def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.Re
     return all_reduce(x, op=op, group=group)
 
 
+def log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float,
+                     with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """(log p(target) [T], entropy [T] or None) of log_softmax(logits / temperature) over the
+    whole vocabulary, in float32."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    logp_all = torch.log_softmax(x, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy
+
+
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, temperature: float = 1.0,
                          vocab_start: int = 0, group: dist.ProcessGroup | None = None,
-                         with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+                         with_entropy: bool = True, fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """(logp [T], entropy [T] or None) of `logits` [T, V_local] (this rank's vocab slice
     starting at `vocab_start`; `group` = the tensor-parallel group, None when unsharded)."""
+    if group is None:
+        return pick(log_softmax_pick, fused)(logits, targets, float(temperature), with_entropy)
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature

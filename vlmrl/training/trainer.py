@@ -52,7 +52,7 @@ class MegatronTrainer:
         build = partial(build_model, cfg.model, cfg.parallel, params_dtype=self.dtype,
                         attention_backend=cfg.hardware.lm_attention_backend,
                         vision_attn_implementation=cfg.hardware.vision_attn_implementation,
-                        megatron_overrides=overrides)
+                        fused_kernels=cfg.hardware.fused_kernels, megatron_overrides=overrides)
         chunks = build()
         adapters.load_hf_weights(chunks, cfg.model, model_path)
         self.ref_chunks = None
@@ -138,7 +138,7 @@ class MegatronTrainer:
         t = self._temperature() if temperature is None else temperature
         return logprobs_and_entropy(logits, mb.targets.to(logits.device), temperature=t,
                                     vocab_start=self._vocab_start(logits), group=self.tp_group,
-                                    with_entropy=with_entropy)
+                                    with_entropy=with_entropy, fused=self.cfg.hardware.fused_kernels)
 
     def _temperature(self) -> float:
         t = self.cfg.rollout.temperature

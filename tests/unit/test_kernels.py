@@ -1,0 +1,79 @@
+"""The Inductor-fused kernels (hardware.fused_kernels) against their plain definitions.
+
+Compiled here with Inductor's CPU backend in float32: the same graphs the GPU configs
+compile for Triton. Values and gradients must agree to float32 rounding, including when
+the token count changes (the recompile to shape-generic kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmrl.models.kernels import fused, pick
+from vlmrl.models.mrope import MRopeSpec, mrope_cos_sin, rope_qk
+from vlmrl.models.norm import rms_norm
+from vlmrl.training.logprobs import log_softmax_pick, logprobs_and_entropy
+
+
+def _grads(fn, *inputs):
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*leaves)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+    torch.manual_seed(1)
+    loss = sum((o * torch.randn_like(o)).sum() for o in outs)
+    loss.backward()
+    return outs, [x.grad for x in leaves if x.requires_grad]
+
+
+def _assert_close(a, b, tol=1e-5):
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x, y, atol=tol, rtol=tol), (x - y).abs().max().item()
+
+
+def test_pick_returns_the_plain_function_unless_fused():
+    assert pick(rms_norm, False) is rms_norm
+    assert pick(rms_norm, True) is fused(rms_norm)  # one compiled twin per process
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_fused_rms_norm_matches_plain(zero_centered):
+    for tokens in (7, 13):  # a second shape: automatic dynamic recompile
+        x = torch.randn(tokens, 1, 48) * 3
+        w = torch.randn(48) * 0.1 + (0.0 if zero_centered else 1.0)
+        fn = lambda x, w: rms_norm(x, w, 1e-6, zero_centered)  # noqa: E731
+        fused_fn = lambda x, w: fused(rms_norm)(x, w, 1e-6, zero_centered)  # noqa: E731
+        (o1, g1), (o2, g2) = _grads(fn, x, w), _grads(fused_fn, x, w)
+        _assert_close(o1, o2)
+        _assert_close(g1, g2)
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
+def test_fused_rope_matches_plain(rotary_dim):
+    spec = MRopeSpec(head_dim=16, rotary_dim=rotary_dim, theta=1e4,
+                     mrope_section=(rotary_dim // 4, rotary_dim // 8, rotary_dim // 8))
+    for tokens in (9, 21):
+        pos = torch.randint(0, 50, (3, tokens))
+        cos, sin = mrope_cos_sin(pos, spec)
+        q, k = torch.randn(tokens, 4, 16), torch.randn(tokens, 2, 16)
+        fn = lambda q, k: rope_qk(q, k, cos, sin)  # noqa: E731
+        fused_fn = lambda q, k: fused(rope_qk)(q, k, cos, sin)  # noqa: E731
+        (o1, g1), (o2, g2) = _grads(fn, q, k), _grads(fused_fn, q, k)
+        _assert_close(o1, o2)
+        _assert_close(g1, g2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_log_softmax_matches_plain_and_the_sharded_path(temperature):
+    for tokens in (5, 11):
+        logits = torch.randn(tokens, 257) * 4
+        targets = torch.randint(0, 257, (tokens,))
+        fn = lambda x: log_softmax_pick(x, targets, temperature, True)  # noqa: E731
+        fused_fn = lambda x: logprobs_and_entropy(x, targets, temperature=temperature, fused=True)  # noqa: E731
+        (o1, g1), (o2, g2) = _grads(fn, logits), _grads(fused_fn, logits)
+        _assert_close(o1, o2)
+        _assert_close(g1, g2)
+        # the definition itself: log_softmax of the tempered logits, entropy of that distribution
+        ref = torch.log_softmax(logits / temperature, -1)
+        assert torch.allclose(o1[0], ref.gather(-1, targets[:, None])[:, 0], atol=1e-6)
+        assert torch.allclose(o1[1], -(ref.exp() * ref).sum(-1), atol=1e-5)

@@ -1,0 +1,38 @@
+"""Inductor-fused twins of the language model's elementwise functions.
+
+Without TransformerEngine, every RMSNorm, rotary embedding and log-softmax of the language
+model runs as a chain of small torch kernels (casts, pow, mean, rsqrt, mul, cat, ...), each
+reading and writing the whole activation. `hardware.fused_kernels=true` (the GPU hardware
+configs) compiles these pure functions once per process with torch.compile, so Inductor
+emits one or two kernels per function, forward and backward:
+
+- `vlmrl.models.norm.rms_norm` (every input/pre-MLP/final/qk norm),
+- `vlmrl.models.mrope.rope_qk` (M-RoPE on queries and keys),
+- `vlmrl.training.logprobs.log_softmax_pick` (logprobs and entropy when the vocabulary is
+  not sharded).
+
+SwiGLU uses megatron-core's own compiled fusion (`bias_activation_fusion`), switched on by
+the bridge with the same setting. The plain functions are the reference math and run as they are on CPU; the tests
+check the fused ones against them. Attention and the GEMMs stay outside the compiled
+regions, so a new packing layout costs no recompilation, and a new total token count
+compiles one shape-generic kernel set on its second occurrence (torch's automatic dynamic
+shapes) that is reused from then on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The Inductor-compiled twin of a pure tensor function (one per process)."""
+    return torch.compile(fn, fullgraph=True, dynamic=None)
+
+
+def pick(fn: Callable[..., Any], use_fused: bool) -> Callable[..., Any]:
+    return fused(fn) if use_fused else fn
