@@ -56,8 +56,8 @@ def test_fused_rope_matches_plain(rotary_dim):
         pos = torch.randint(0, 50, (3, tokens))
         cos, sin = mrope_cos_sin(pos, spec)
         q, k = torch.randn(tokens, 4, 16), torch.randn(tokens, 2, 16)
-        fn = lambda q, k: rope_qk(q, k, cos, sin)  # noqa: E731
-        fused_fn = lambda q, k: fused(rope_qk)(q, k, cos, sin)  # noqa: E731
+        fn = lambda q, k, cos=cos, sin=sin: rope_qk(q, k, cos, sin)  # noqa: E731
+        fused_fn = lambda q, k, cos=cos, sin=sin: fused(rope_qk)(q, k, cos, sin)  # noqa: E731
         (o1, g1), (o2, g2) = _grads(fn, q, k), _grads(fused_fn, q, k)
         _assert_close(o1, o2)
         _assert_close(g1, g2)
@@ -68,8 +68,8 @@ def test_fused_log_softmax_matches_plain_and_the_sharded_path(temperature):
     for tokens in (5, 11):
         logits = torch.randn(tokens, 257) * 4
         targets = torch.randint(0, 257, (tokens,))
-        fn = lambda x: log_softmax_pick(x, targets, temperature, True)  # noqa: E731
-        fused_fn = lambda x: logprobs_and_entropy(x, targets, temperature=temperature, fused=True)  # noqa: E731
+        fn = lambda x, t=targets: log_softmax_pick(x, t, temperature, True)  # noqa: E731
+        fused_fn = lambda x, t=targets: logprobs_and_entropy(x, t, temperature=temperature, fused=True)  # noqa: E731
         (o1, g1), (o2, g2) = _grads(fn, logits), _grads(fused_fn, logits)
         _assert_close(o1, o2)
         _assert_close(g1, g2)
