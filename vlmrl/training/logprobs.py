@@ -19,16 +19,20 @@ from ..models.kernels import pick
 
 
 def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType) -> Tensor:
-    """Differentiable all-reduce (sum) / plain all-reduce (max, no gradient needed)."""
+    """All-reduce over the tensor-parallel group: max (no gradient needed) or sum.
+
+    The sum's backward is the identity, not another all-reduce: every TP rank computes the
+    same loss from the reduced values, so the gradient reaching each rank's partial sum is
+    already the whole gradient (an all-reduce there would scale it by the TP size)."""
     if group is None:
         return x
     if op == dist.ReduceOp.MAX:
         x = x.clone()
         dist.all_reduce(x, op=op, group=group)
         return x
-    from torch.distributed.nn.functional import all_reduce
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    return all_reduce(x, op=op, group=group)
+    return reduce_from_tensor_model_parallel_region(x, group)
 
 
 def log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float,
