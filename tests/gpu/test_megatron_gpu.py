@@ -8,6 +8,7 @@ to the same bounds as the CPU suite: against their plain definitions per functio
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -60,3 +61,25 @@ def test_cuda_model_matches_hf(fused_kernels):
     assert res["single"].fast_path_layers == (4 if fused_kernels else 0)
     assert parity.max_abs_diff(res["single"].logits, res["hf"].logits) <= parity.LOGITS_VS_HF
     assert parity.max_abs_diff(res["single"].grads, res["hf"].grads) <= parity.GRADS_VS_HF
+
+
+def _cuda_sft_grad_norm(rank: int, world: int, cfg, path: str) -> tuple[float, float, int]:
+    import torch
+    from test_trainer import _sft_grad_norm
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False  # the vision tower's patch Conv3d
+    return _sft_grad_norm(rank, world, cfg, path)
+
+
+def test_trainer_step_on_cuda_is_the_per_token_mean(tiny_config, tiny_checkpoint):
+    """The real trainer on one GPU (NCCL, Megatron DDP + distributed optimizer, the compiled
+    dense layers, fp32): its step's gradient norm equals HF's per-token mean NLL's."""
+    from vlmrl.training.parallel_state import spawn_local
+
+    hw = dataclasses.replace(tiny_config.hardware, device="cuda", dist_backend="nccl", fused_kernels=True)
+    cfg = dataclasses.replace(tiny_config, hardware=hw)
+    megatron_norm, hf_norm, fast = spawn_local(_cuda_sft_grad_norm, 1, cfg, tiny_checkpoint, backend="nccl",
+                                               timeout_s=600)[0]
+    assert fast == cfg.model.lm.num_layers
+    assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         if CUDA:
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         if variant == "hf_sdpa":
             r = bench_hf(mcfg, ids, args.iters, args.warmup)
         else:
@@ -217,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"variant": variant, "median_s": med, "host_median_s": statistics.median(r["host_times"]),
                      "tokens_per_s": args.seq / med,
                      "tflops": fpt * args.seq / med / 1e12, "params": r["params"],
-                     "spread_s": [min(r["times"]), max(r["times"])]})
+                     "spread_s": [min(r["times"]), max(r["times"])],
+                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
-              f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms)", flush=True)
+              f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms) "
+              f"peak {rows[-1]['peak_memory_gib'] or 0:.1f} GiB", flush=True)
     base = next((r for r in rows if r["variant"] == "hf_sdpa"), None)
     for r in rows:
         r["vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None

@@ -34,6 +34,10 @@ _MEANS = ("pg_clipfrac", "ppo_kl", "tis_mean", "train_rollout_logprob_abs_diff")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _detached(v: Any) -> Any:
+    return v.detach() if isinstance(v, Tensor) else v
+
+
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
@@ -175,8 +179,6 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ steps
     def _step(self, mbs: list[MicroBatch], loss_fn: Any) -> dict[str, float]:
-        from megatron.core import parallel_state as mps
-
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -186,27 +188,42 @@ class MegatronTrainer:
         self.scheduler.step(increment=1)
         self.steps += 1
 
-        # reduce metrics: sums and token-weighted means over micro-batches and DP x CP ranks
-        keys = sorted({k for o in outputs for k in o})
-        vec = torch.zeros(len(keys) + 2, dtype=torch.float64)
+        out = self._reduce_metrics(outputs)
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        out["update_skipped"] = float(not ok)
+        return out
+
+    def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
+        """Sums and token-weighted means over micro-batches, pipeline stages and DP x CP ranks.
+
+        The loss functions report 0-dim device tensors; they are summed on the device and
+        read back once per step (no host sync per micro-batch). Every rank builds the same
+        fixed-size vector (values and presence of each known metric): only the last
+        pipeline stage has outputs, and NCCL reduces device tensors only."""
+        from megatron.core import parallel_state as mps
+
+        from . import compat
+
+        keys = (*_SUMMED, *_MEANS, "_normaliser", "_tokens")
+        dev = compat.device()
+        vec = torch.zeros(2, len(keys), dtype=torch.float64, device=dev)  # [values; presence]
         for o in outputs:
+            unknown = set(o) - set(keys)
+            if unknown:
+                raise KeyError(f"loss function reported unknown metrics {sorted(unknown)}")
             for i, k in enumerate(keys):
-                vec[i] += float(o.get(k, 0.0))
-            vec[-2] += float(o["_normaliser"])
-            vec[-1] += float(o["_tokens"])
+                if k in o:
+                    vec[0, i] += torch.as_tensor(o[k], device=dev).double().reshape(())
+                    vec[1, i] += 1.0
         if mps.get_pipeline_model_parallel_world_size() > 1:
             last = mps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(vec, src=last, group=mps.get_pipeline_model_parallel_group())
         dist.all_reduce(vec, group=mps.get_data_parallel_group(with_context_parallel=True))
-        norm, tokens = max(vec[-2].item(), 1e-12), max(vec[-1].item(), 1e-12)
-        out = {}
-        for i, k in enumerate(keys):
-            if k.startswith("_"):
-                continue
-            out[k] = vec[i].item() / (tokens if k in _MEANS else norm)
-        out["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-        out["lr"] = self.optimizer.param_groups[0]["lr"]
-        out["update_skipped"] = float(not ok)
+        values, present = vec.cpu().tolist()
+        norm, tokens = max(values[-2], 1e-12), max(values[-1], 1e-12)
+        out = {k: v / (tokens if k in _MEANS else norm)
+               for k, v, n in zip(keys, values, present) if n and not k.startswith("_")}
         out["num_tokens"] = tokens
         return out
 
@@ -234,10 +251,10 @@ class MegatronTrainer:
                 rollout_logp=mb.rollout_logp.to(dev) if mb.has_rollout_logp else None,
                 normaliser=1.0, max_response_len=max_len)
             normaliser = losses.loss_normaliser(mask, cu, algo.loss_agg_mode, max_len)
-            n_tok = float(mask.sum())
-            reduced = {k: float(v) for k, v in metrics.items() if k in _SUMMED}
-            reduced.update({k: float(v) * n_tok for k, v in metrics.items() if k in _MEANS})
-            reduced["_normaliser"] = float(normaliser)
+            n_tok = mask.sum()
+            reduced = {k: _detached(v) for k, v in metrics.items() if k in _SUMMED}
+            reduced.update({k: _detached(v) * n_tok for k, v in metrics.items() if k in _MEANS})
+            reduced["_normaliser"] = normaliser
             reduced["_tokens"] = n_tok
             return loss, normaliser.round().to(torch.int), reduced
 
@@ -251,9 +268,8 @@ class MegatronTrainer:
             logp, _ = self._token_logprobs(logits, mb, with_entropy=False, temperature=1.0)
             mask = mb.loss_mask.to(logp.device)
             nll = -(torch.where(mask > 0, logp, 0.0) * mask).sum()
-            n_tok = float(mask.sum())
-            return nll, mask.sum().round().to(torch.int), {"loss": float(nll.detach()), "_normaliser": n_tok,
-                                                             "_tokens": n_tok}
+            n_tok = mask.sum()
+            return nll, n_tok.round().to(torch.int), {"loss": nll.detach(), "_normaliser": n_tok, "_tokens": n_tok}
 
         return self._step(mbs, loss_fn)
 
@@ -271,13 +287,14 @@ class MegatronTrainer:
             return None
         out: list[Tensor | None] = [None] * len(samples)
         for g, mb in zip(groups, mbs):
-            logp = mb.extras["logp"].float().cpu()
-            if self.info.cp_size > 1:
+            logp = mb.extras["logp"].float()
+            if self.info.cp_size > 1:  # gathered on the device: NCCL has no CPU tensors
                 from .packing import cp_merge
 
                 shares = [torch.empty_like(logp) for _ in range(self.info.cp_size)]
-                dist.all_gather(shares, logp, group=mps.get_context_parallel_group())
-                logp = cp_merge(shares, mb.whole.padded_lens)
+                dist.all_gather(shares, logp.contiguous(), group=mps.get_context_parallel_group())
+                logp = cp_merge([x.cpu() for x in shares], mb.whole.padded_lens)
+            logp = logp.cpu()
             whole = mb.whole
             for j, i in enumerate(g):
                 a, n = int(whole.cu_seqlens_padded[j]), whole.seq_lens[j]
