@@ -62,11 +62,12 @@ def test_step_gradient_is_the_per_token_mean(tiny_config, tiny_checkpoint):
     assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)
 
 
-@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "tp=2+sp"])
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "cp=2", "tp=2+sp"])
 def test_step_gradient_under_model_parallelism(tiny_config, tiny_checkpoint, layout):
-    """The same step split over two ranks (TP, PP, TP with sequence parallelism): the
+    """The same step split over two ranks (TP, PP, CP, TP with sequence parallelism): the
     distributed gradient norm and the reduced metrics equal HF's single-model figures."""
-    overrides = {"tp=2": {"tp": 2}, "pp=2": {"pp": 2}, "tp=2+sp": {"tp": 2, "sequence_parallel": True}}[layout]
+    overrides = {"tp=2": {"tp": 2}, "pp=2": {"pp": 2}, "cp=2": {"cp": 2},
+                 "tp=2+sp": {"tp": 2, "sequence_parallel": True}}[layout]
     cfg = dataclasses.replace(tiny_config, parallel=dataclasses.replace(tiny_config.parallel, **overrides))
     results = spawn_local(_sft_grad_norm, 2, cfg, tiny_checkpoint)
     hf_norm = results[0][1]
