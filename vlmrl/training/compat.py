@@ -4,8 +4,11 @@ Megatron assumes CUDA in a handful of spots that matter to us: tensors allocated
 `torch.cuda.current_device()`, the CUDA RNG state tracker behind
 `model_parallel_cuda_manual_seed` and dropout forks, and an undefined `te_general_gemm` in
 the MoE router when TransformerEngine is absent. `apply()` patches exactly those, and only
-when CUDA is unavailable; on GPUs it changes nothing, so the same code runs with NCCL.
+for CPU processes; on GPUs it changes nothing, so the same code runs with NCCL.
 Keep every CUDA-only workaround in this module.
+
+A process computes on the CPU when no GPU is visible or when its process group is gloo
+(`hardware=cpu` on a machine that has GPUs: the gloo ranks stay on the CPU).
 """
 
 from __future__ import annotations
@@ -15,12 +18,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _APPLIED = False
+_CPU_ONLY = False
+
+
+def force_cpu() -> None:
+    """Make this process a CPU rank even where GPUs are visible (gloo process groups)."""
+    global _CPU_ONLY
+    _CPU_ONLY = True
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    """Whether this process computes on CUDA: a GPU is visible and the process is not a
+    gloo (CPU) rank."""
+    if _CPU_ONLY or not torch.cuda.is_available():
+        return False
+    return not (dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo")
 
 
 def device() -> torch.device:

@@ -69,7 +69,11 @@ def init_distributed(backend: str | None = None, *, rank: int | None = None, wor
 
 def init_parallel_state(parallel: ParallelConfig, *, backend: str | None = None, seed: int = 1234,
                         timeout_s: float = 600.0) -> ParallelInfo:
-    """Create Megatron's process groups for `parallel` (world = dp * tp * pp * cp)."""
+    """Create Megatron's process groups for `parallel` (world = dp * tp * pp * cp).
+
+    backend "gloo" makes this a CPU rank even on a machine with GPUs."""
+    if backend == "gloo":
+        compat.force_cpu()
     compat.apply()
     init_distributed(backend, timeout_s=timeout_s)
     from megatron.core import parallel_state as mps
@@ -142,6 +146,8 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         torch.set_num_threads(1)
+        if backend == "gloo":
+            compat.force_cpu()  # CPU ranks, also on a machine with GPUs
         compat.apply()
         init_distributed(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
