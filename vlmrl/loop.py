@@ -238,11 +238,11 @@ class Loop:
             asyncio.run(self.sglang.shutdown())
             self.sglang = None
 
-    def _engines_call(self, method: str) -> None:
+    def _engines_call(self, method: str, *args: Any) -> None:
         import asyncio
 
         async def call_all() -> None:
-            await asyncio.gather(*(getattr(e, method)() for e in self.admin_engines))
+            await asyncio.gather(*(getattr(e, method)(*args) for e in self.admin_engines))
 
         asyncio.run(call_all())
 
@@ -321,8 +321,8 @@ class Loop:
                                          {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
 
         t_train = time.perf_counter()
-        if cfg.cluster.colocate:  # the engines give their GPU memory to the trainer ...
-            self._engines_call("release_memory_occupation")
+        if cfg.cluster.colocate:  # the engines give their GPU memory (weights, KV cache) to the trainer ...
+            self._engines_call("release_memory_occupation", None)
         gbs = cfg.trainer.global_batch_size
         steps = max(len(samples) // gbs, 1) if samples else 0
         per = -(-len(samples) // steps) if steps else 0
@@ -338,12 +338,14 @@ class Loop:
         for k in range(steps):
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
             train_metrics.append(self.trainer.train_step(chunk))
-        if cfg.cluster.colocate:  # ... and take it back to receive the new weights
-            self._engines_call("resume_memory_occupation")
+        if cfg.cluster.colocate:  # ... take the weights' memory back to receive the new weights ...
+            self._engines_call("resume_memory_occupation", ["weights"])
         train_time = time.perf_counter() - t_train
         if pending is not None:  # engines finish the overlapped rollout before taking new weights
             self._next = pending.result()
         sync_time = self._sync_weights(f"step-{state.step + 1}")
+        if cfg.cluster.colocate:  # ... and the KV cache only once the sync's buffers are gone
+            self._engines_call("resume_memory_occupation", ["kv_cache"])
         state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
 
         metrics = rollout_metrics(records, rewards)

@@ -12,7 +12,7 @@ import torch
 
 from vlmrl.data.images import encode_data_uri as encode_image_data_uri
 from vlmrl.rollout.embedded import EmbeddedEngine
-from vlmrl.rollout.protocol import GenerateRequest, SamplingParams
+from vlmrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
 
 TOL = 1e-5
 
@@ -197,9 +197,17 @@ def test_weight_update_release_resume(engine, images, tiny_checkpoint):
         asyncio.run(engine.release_memory_occupation())
         assert not asyncio.run(engine.health())
         assert isinstance(engine.generate_sync([req])[0], Exception)
-        asyncio.run(engine.resume_memory_occupation())
         changed = [(n, v * 1.5) for n, v in originals if n.startswith("model.layers.")]
+        with pytest.raises(EngineError, match="resume"):  # weights released: no update
+            asyncio.run(engine.update_weights_from_tensor(changed, weight_version="v1"))
+        # the colocated order: weights back, update, then the KV cache
+        asyncio.run(engine.resume_memory_occupation(["weights"]))
         asyncio.run(engine.update_weights_from_tensor(changed, bucket_bytes=64 << 10, weight_version="v1"))
+        assert isinstance(engine.generate_sync([req])[0], EngineError)  # the KV cache is still released
+        asyncio.run(engine.resume_memory_occupation(["kv_cache"]))
+        assert asyncio.run(engine.health())
+        with pytest.raises(ValueError, match="unknown memory tags"):
+            asyncio.run(engine.release_memory_occupation(["activations"]))
         after = engine.generate_sync([req])[0]
         assert after.weight_version == "v1"
         assert after.logprobs != before.logprobs

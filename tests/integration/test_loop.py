@@ -189,3 +189,22 @@ def test_loop_with_model_parallel_trainer(tmp_path, cache_dir, layout):
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
     assert all(r["train/grad_norm"] >= 0 for r in rl)  # zero when every group's rewards tie
     assert find_latest(tmp_path / "checkpoints") is not None
+
+
+def test_colocated_loop_order(tmp_path, cache_dir):
+    """The colocated step's order: engines release weights and KV cache before training,
+    take the weights back for the sync and the KV cache after it. The embedded engine
+    refuses weight updates while its weights are released and generation while anything
+    is, so a wrong order fails the run. Colocation is a GPU mode (the config rules refuse
+    it with hardware=cpu); this run skips the rules to drive the same loop code on CPU."""
+    from vlmrl.config import load
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+
+    cfg = load([f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}", *SHORT, "save_hf=false",
+                "cluster.colocate=true"], check_rules=False)
+    assert cfg.cluster.colocate
+    summary = train(cfg)
+    assert summary["rl_steps"] == 2
+    rl = [r for r in read_metrics(tmp_path) if "rl_step" in r]
+    assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl

@@ -253,8 +253,18 @@ def test_control_endpoints(engine, server):
             assert not await client.health()
             with pytest.raises(EngineError):
                 await client.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
-            await client.resume_memory_occupation()
+            await client.resume_memory_occupation(["weights"])  # SGLang's tags, in its JSON body
+            assert not await client.health() and engine.released_tags == {"kv_cache"}
+            await client.resume_memory_occupation(["kv_cache"])
             assert await client.health()
+            with pytest.raises(ValueError, match="unknown memory tags"):
+                await client.release_memory_occupation(["activations"])
+            req = urllib.request.Request(server.url + "/release_memory_occupation", method="POST",
+                                         data=json.dumps({"tags": ["activations"]}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:  # the server checks them too
+                await asyncio.to_thread(urllib.request.urlopen, req)
+            assert err.value.code == 400 and engine.released_tags == set()
             await client.flush_cache()
         finally:
             await client.close()

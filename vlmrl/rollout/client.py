@@ -26,6 +26,7 @@ from .protocol import (
     GenerateRequest,
     GenerateResult,
     bucketize,
+    memory_tags,
     request_to_sglang,
     result_from_sglang,
 )
@@ -206,11 +207,13 @@ class HTTPEngine:
         await self._checked("/destroy_weights_update_group", {"group_name": group_name})
 
     # ----------------------------------------------------------------- control
-    async def release_memory_occupation(self) -> None:
-        await self._call("POST", "/release_memory_occupation", {}, timeout_s=self.admin_timeout_s, retries=0)
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        body = {} if tags is None else {"tags": list(memory_tags(tags))}
+        await self._call("POST", "/release_memory_occupation", body, timeout_s=self.admin_timeout_s, retries=0)
 
-    async def resume_memory_occupation(self) -> None:
-        await self._call("POST", "/resume_memory_occupation", {}, timeout_s=self.admin_timeout_s, retries=0)
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        body = {} if tags is None else {"tags": list(memory_tags(tags))}
+        await self._call("POST", "/resume_memory_occupation", body, timeout_s=self.admin_timeout_s, retries=0)
 
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache", None, expect_json=False)

@@ -49,6 +49,7 @@ from .protocol import (
     GenerateResult,
     SamplingParams,
     bucketize,
+    memory_tags,
 )
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class EmbeddedEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.weight_version = "0"
-        self.released = False
+        self.released_tags: set[str] = set()  # memory given up (colocated training)
         self._lock = threading.Lock()  # one batch (or weight update) at a time
         self._prompt_cache: OrderedDict[Any, _Prepared] = OrderedDict()
         self._prompt_cache_size = int(prompt_cache_size)
@@ -365,7 +366,8 @@ class EmbeddedEngine:
         import torch
 
         if self.released:
-            err = EngineError("engine memory is released; call resume_memory_occupation first")
+            err = EngineError(f"engine memory is released ({sorted(self.released_tags)}); call "
+                              "resume_memory_occupation first")
             return [err for _ in requests]
         results: list[GenerateResult | BaseException | None] = [None] * len(requests)
         with self._lock, torch.inference_mode():
@@ -410,6 +412,9 @@ class EmbeddedEngine:
 
         from ..models.names import to_module_name
 
+        if "weights" in self.released_tags:
+            raise EngineError("the weights' memory is released; resume it (tags=['weights']) before "
+                              "updating them", retryable=False, status=400)
         params = self.model.state_dict(keep_vars=True)
         with self._lock, torch.no_grad():
             for name, value in named_tensors:
@@ -441,27 +446,34 @@ class EmbeddedEngine:
         if weight_version is not None:
             self.weight_version = str(weight_version)
 
-    async def release_memory_occupation(self) -> None:
-        await asyncio.to_thread(self._release)
+    @property
+    def released(self) -> bool:
+        return bool(self.released_tags)
 
-    async def resume_memory_occupation(self) -> None:
-        await asyncio.to_thread(self._resume)
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await asyncio.to_thread(self._release, memory_tags(tags))
 
-    def _release(self) -> None:
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await asyncio.to_thread(self._resume, memory_tags(tags))
+
+    def _release(self, tags: tuple[str, ...]) -> None:
+        """kv_cache: drop the prompt cache; weights: move the model to host memory (GPU)."""
         import torch
 
         with self._lock:
-            self.released = True
-            self._prompt_cache.clear()
-            if self.device.type == "cuda":
+            self.released_tags.update(tags)
+            if "kv_cache" in tags:
+                self._prompt_cache.clear()
+            if "weights" in tags and self.device.type == "cuda":
                 self.model.to("cpu")
+            if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _resume(self) -> None:
+    def _resume(self, tags: tuple[str, ...]) -> None:
         with self._lock:
-            if self.device.type == "cuda":
+            if "weights" in tags and "weights" in self.released_tags and self.device.type == "cuda":
                 self.model.to(self.device)
-            self.released = False
+            self.released_tags.difference_update(tags)
 
     async def flush_cache(self) -> None:
         with self._lock:
@@ -556,11 +568,11 @@ class EmbeddedEngineActor:
         await self.engine.update_weights_from_tensor(named_tensors, bucket_bytes=bucket_bytes,
                                                      flush_cache=flush_cache, weight_version=weight_version)
 
-    async def release_memory_occupation(self) -> None:
-        await self.engine.release_memory_occupation()
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.engine.release_memory_occupation(tags)
 
-    async def resume_memory_occupation(self) -> None:
-        await self.engine.resume_memory_occupation()
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.engine.resume_memory_occupation(tags)
 
     async def flush_cache(self) -> None:
         await self.engine.flush_cache()
@@ -609,11 +621,11 @@ class RayEngine:
         if weight_version is not None:
             await self.actor.update_weights_from_tensor.remote([], None, flush_cache, weight_version)
 
-    async def release_memory_occupation(self) -> None:
-        await self.actor.release_memory_occupation.remote()
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.actor.release_memory_occupation.remote(None if tags is None else list(memory_tags(tags)))
 
-    async def resume_memory_occupation(self) -> None:
-        await self.actor.resume_memory_occupation.remote()
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.actor.resume_memory_occupation.remote(None if tags is None else list(memory_tags(tags)))
 
     async def flush_cache(self) -> None:
         await self.actor.flush_cache.remote()

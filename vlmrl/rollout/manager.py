@@ -315,11 +315,11 @@ class RolloutManager:
         await asyncio.gather(*(e.update_weights_from_tensor(named_tensors, bucket_bytes=bucket_bytes,
                                                             weight_version=weight_version) for e in self.engines))
 
-    async def release_memory(self) -> None:
-        await asyncio.gather(*(e.release_memory_occupation() for e in self.engines))
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        await asyncio.gather(*(e.release_memory_occupation(tags) for e in self.engines))
 
-    async def resume_memory(self) -> None:
-        await asyncio.gather(*(e.resume_memory_occupation() for e in self.engines))
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        await asyncio.gather(*(e.resume_memory_occupation(tags) for e in self.engines))
 
 
 def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:

@@ -186,15 +186,35 @@ class Engine(Protocol):
         at most `bucket_bytes` (one bucket = one engine call; None: one call)."""
         ...
 
-    async def release_memory_occupation(self) -> None: ...
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Give up device memory (colocated training): the `weights`, the `kv_cache`, or
+        both (None). Generation fails while the KV cache is released, weight updates
+        while the weights are."""
+        ...
 
-    async def resume_memory_occupation(self) -> None: ...
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory of `tags` back (None: everything released)."""
+        ...
 
     async def flush_cache(self) -> None: ...
 
     async def health(self) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- memory
+MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's release/resume_memory_occupation tags
+
+
+def memory_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
+    """The tags a release/resume call covers (None: all); unknown tags raise, naming them."""
+    if tags is None:
+        return MEMORY_TAGS
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+    return tuple(dict.fromkeys(tags))
 
 
 # --------------------------------------------------------------------------- buckets

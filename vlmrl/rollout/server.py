@@ -24,7 +24,7 @@ SGLang server on GPUs and the embedded engine on a laptop. Routes (as in SGLang)
                                       (null: one broadcast per tensor; "flattened_bucket":
                                       one uint8 broadcast per bucket)
   POST /destroy_weights_update_group
-  POST|GET /release_memory_occupation, /resume_memory_occupation, /flush_cache
+  POST|GET /release_memory_occupation, /resume_memory_occupation ({"tags": [...]}), /flush_cache
   GET  /health, /health_generate (runs one greedy token), /get_model_info, /model_info
 
 Update replies are {"success": bool, "message": str} (400 when success is false), like
@@ -179,12 +179,22 @@ def build_app(engine: Any) -> Any:
         await asyncio.to_thread(destroy_update_group, group)
         return _reply(True, "destroyed")
 
+    async def _tags(request: web.Request) -> list[str] | None:
+        body = await request.json() if request.can_read_body else {}
+        return (body or {}).get("tags")
+
     async def release(request: web.Request) -> web.Response:
-        await engine.release_memory_occupation()
+        try:
+            await engine.release_memory_occupation(await _tags(request))
+        except ValueError as e:  # unknown tags
+            return web.json_response({"error": str(e)}, status=400)
         return web.json_response(None)
 
     async def resume(request: web.Request) -> web.Response:
-        await engine.resume_memory_occupation()
+        try:
+            await engine.resume_memory_occupation(await _tags(request))
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
         return web.json_response(None)
 
     async def flush(request: web.Request) -> web.Response:
