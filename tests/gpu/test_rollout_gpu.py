@@ -83,6 +83,26 @@ def test_embedded_cuda_logprobs_and_batch_invariance(cuda_engine):
         assert max(abs(a - b) for a, b in zip(solo.logprobs, res.logprobs)) <= 1e-4
 
 
+def test_embedded_cuda_release_frees_the_weights(cuda_engine):
+    """Colocated training's memory hand-over on a GPU: releasing the weights moves them off
+    the device (its allocation drops by their size); resuming brings them back unchanged."""
+    import asyncio
+
+    e = cuda_engine
+    weights = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    before = {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    asyncio.run(e.release_memory_occupation())
+    assert torch.cuda.memory_allocated() <= allocated - 0.9 * weights
+    assert all(p.device.type == "cpu" for p in e.model.parameters())
+    asyncio.run(e.resume_memory_occupation(["weights"]))
+    asyncio.run(e.resume_memory_occupation(["kv_cache"]))
+    assert all(p.device.type == "cuda" for p in e.model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in e.model.state_dict().items())
+    assert asyncio.run(e.health())
+
+
 _IPC_READER = """
 import sys, torch
 from vlmrl.rollout.sglang import load_ipc
