@@ -16,9 +16,9 @@ graph each (forward and backward), whatever their index. The core attention stay
 its per-sample layout is host data that a graph would have to be specialised on.
 
 The fast path covers the dense Qwen2.5-VL-style layer on one tensor-parallel rank (any PP,
-CP, DP); everything else (TP/SP communication, qk norms, output gates, MoE, dropout,
-inference contexts) goes through Megatron's own forward, with the per-function fused
-kernels of `vlmrl.models.kernels`.
+CP, DP, full-layer recompute); everything else (TP/SP communication, qk norms, output
+gates, MoE, dropout, selective recompute, inference contexts) goes through Megatron's own
+forward, with the per-function fused kernels of `vlmrl.models.kernels`.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class FusedTransformerLayer(TransformerLayer):
             and not c.fp32_residual_connection and not c.apply_residual_connection_post_layernorm
             and c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
             and not getattr(c, "attention_output_gate", False) and not c.qk_layernorm
+            and c.recompute_granularity != "selective"  # Megatron's per-module recompute wraps its own forward
             and not getattr(self, "recompute_input_layernorm", False)
             and not getattr(self, "recompute_pre_mlp_layernorm", False)
             and not getattr(self, "offload_attn_norm", False) and not getattr(self, "offload_mlp_norm", False)
