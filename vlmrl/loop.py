@@ -165,6 +165,7 @@ class Loop:
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:
+        from .cluster.placement import available_cores, cpu_threads
         from .rollout.embedded import RayEngine, create_embedded_actor
         from .rollout.manager import RolloutManager
 
@@ -186,6 +187,7 @@ class Loop:
             actor = create_embedded_actor(
                 self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name="embedded-0",
                 scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[0]),
+                torch_threads=cpu_threads(cfg, "engine", available_cores()),
                 min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
                 max_batch_size=cfg.rollout.embedded.max_batch_size)
             self.engine_actors, engines = [actor], [RayEngine(actor, "embedded-0")]

@@ -134,6 +134,7 @@ INVALID = [
      "hardware-attention", "flash_attention_2"),
     ([*REFERENCE, "hardware.sglang_mm_attention_backend=flash"], "hardware-attention", "SGLang's"),
     (["cluster.colocate=true"], "colocate", "has none"),
+    (["cluster.cpu_threads=0"], "cpu-threads", "must be >= 1"),
     ([*REFERENCE, "cluster.async_rollout=true"], "colocate", "async_rollout"),
     ([*REFERENCE, "rollout.num_gpus=4"], "colocate", "rollout.num_gpus=4"),
     ([*GPU_DENSE, "cluster.colocate=false", "rollout.num_gpus=8"], "separate-gpus", "trainer_gpus"),
@@ -255,3 +256,19 @@ def test_memory_estimate_scales_with_parallelism():
     no_recompute = estimate_memory(load([*REFERENCE, "parallel.recompute_granularity=null"]))
     assert no_recompute.activations > base.activations
     assert base.rollout_pool == pytest.approx(0.7 * 141 * 1024**3)
+
+
+def test_cpu_threads_share_the_cores_among_concurrent_actors():
+    from vlmrl.cluster.placement import cpu_threads
+    from vlmrl.config import load
+
+    cfg = load([])
+    # synchronous: training and rollout alternate, each gets every core
+    assert cpu_threads(cfg, "trainer", 8) == 8 and cpu_threads(cfg, "engine", 8) == 8
+    two = load(["cluster.num_cpu_ranks=2"])
+    assert cpu_threads(two, "trainer", 8) == 4 and cpu_threads(two, "engine", 8) == 8
+    overlap = load(["cluster.num_cpu_ranks=2", "cluster.async_rollout=true"])
+    assert cpu_threads(overlap, "trainer", 8) == 2 and cpu_threads(overlap, "engine", 8) == 2
+    assert cpu_threads(overlap, "trainer", 2) == 1  # never below one
+    assert cpu_threads(load(["cluster.cpu_threads=3"]), "engine", 8) == 3
+    assert cpu_threads(load(["experiment=geo3k_qwen35"]), "trainer", 8) is None  # GPUs: left alone

@@ -48,3 +48,38 @@ def create_placement(cfg: VlmrlConfig, layout: Layout, *, timeout_s: float = 600
     group = placement_group(spec, strategy="PACK", name="")
     ray.get(group.ready(), timeout=timeout_s)
     return Placement(group, trainer, engines)
+
+
+def available_cores() -> int:
+    """CPU cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota."""
+    import math
+    import os
+    from pathlib import Path
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(cores, 1)
+
+
+def cpu_threads(cfg: VlmrlConfig, role: str, cores: int) -> int | None:
+    """torch threads of a CPU actor (`role` "trainer" or "engine"); None on GPUs.
+
+    `cluster.cpu_threads` when set; else the cores divided among the actors that compute
+    at the same moment: the trainer ranks together while training, the engine alone while
+    generating, and all of them at once with `cluster.async_rollout`. (Ray would give an
+    actor with a fractional CPU request one thread.)
+    """
+    if role not in ("trainer", "engine"):
+        raise ValueError(f"role must be 'trainer' or 'engine', got {role!r}")
+    if cfg.hardware.device != "cpu":
+        return None
+    if cfg.cluster.cpu_threads:
+        return int(cfg.cluster.cpu_threads)
+    ranks = max(cfg.cluster.num_cpu_ranks, 1)
+    busy = ranks + 1 if cfg.cluster.async_rollout else (ranks if role == "trainer" else 1)
+    return max(1, cores // busy)

@@ -34,7 +34,14 @@ class TrainerWorker:
         return socket.gethostbyname(socket.gethostname())
 
     def init(self, model_path: str, total_steps: int) -> dict[str, int]:
+        import torch
+
         from ..training.trainer import MegatronTrainer
+        from .placement import available_cores, cpu_threads
+
+        threads = cpu_threads(self.cfg, "trainer", available_cores())
+        if threads:
+            torch.set_num_threads(threads)
 
         self.trainer = MegatronTrainer(self.cfg, model_path, total_steps=total_steps)
         i = self.trainer.info

@@ -337,6 +337,9 @@ class ClusterConfig(Sealable):
     async_rollout: bool = False  # overlap the next rollout with training (one step off-policy)
     dashboard: bool = False
     cpus_per_actor: float = 0.5
+    # torch threads of each CPU actor; null: the machine's cores shared by the actors that
+    # compute at the same moment (vlmrl.cluster.placement.cpu_threads)
+    cpu_threads: int | None = None
 
 
 # --------------------------------------------------------------------------- logger

@@ -142,6 +142,8 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
              "needs a GPU: use sdpa on CPU")
 
     # --- placement and colocation
+    if c.cpu_threads is not None and c.cpu_threads < 1:
+        fail("cpu-threads", f"cluster.cpu_threads={c.cpu_threads} must be >= 1 (or null: automatic)")
     if c.name == "external" and not c.address:
         fail("cluster-address", "cluster=external needs cluster.address (or RAY_ADDRESS)")
     if c.colocate and not on_gpu:

@@ -549,7 +549,12 @@ class _Batcher:
 class EmbeddedEngineActor:
     """Ray actor body: one EmbeddedEngine, optionally serving SGLang's HTTP protocol."""
 
-    def __init__(self, model_path: str, engine_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, model_path: str, engine_kwargs: dict[str, Any] | None = None,
+                 torch_threads: int | None = None) -> None:
+        if torch_threads:  # Ray gives an actor with a fractional CPU request one thread
+            import torch
+
+            torch.set_num_threads(torch_threads)
         self.engine = EmbeddedEngine(model_path, **(engine_kwargs or {}))
         self._server: Any = None
 
@@ -591,15 +596,17 @@ class EmbeddedEngineActor:
 
 
 def create_embedded_actor(model_path: str, *, num_cpus: float = 0.5, num_gpus: float = 0.0,
-                          name: str = "embedded-0", scheduling_strategy: Any = None, **engine_kwargs: Any) -> Any:
+                          name: str = "embedded-0", scheduling_strategy: Any = None, torch_threads: int | None = None,
+                          **engine_kwargs: Any) -> Any:
     """Start an `EmbeddedEngineActor` (Ray must be initialised); returns the actor handle.
-    `scheduling_strategy`: e.g. its placement-group bundle."""
+    `scheduling_strategy`: e.g. its placement-group bundle; `torch_threads`: its CPU threads."""
     import ray
 
     cls = ray.remote(EmbeddedEngineActor)
     # Ray runs async actor methods concurrently on one event loop: the batcher coalesces them.
     return cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000,
-                       scheduling_strategy=scheduling_strategy).remote(model_path, {"name": name, **engine_kwargs})
+                       scheduling_strategy=scheduling_strategy).remote(model_path, {"name": name, **engine_kwargs},
+                                                                       torch_threads)
 
 
 class RayEngine:
