@@ -2,18 +2,19 @@
 
 Without TransformerEngine, every RMSNorm, rotary embedding and log-softmax of the language
 model runs as a chain of small torch kernels (casts, pow, mean, rsqrt, mul, cat, ...), each
-reading and writing the whole activation. `hardware.fused_kernels=true` (the GPU hardware
-configs) compiles these pure functions once per process with torch.compile, so Inductor
-emits one or two kernels per function, forward and backward:
+reading and writing the whole activation. With `hardware.fused_kernels=true` (the GPU
+hardware configs) the dense layers run as two compiled graphs each
+(`vlmrl.models.fused_layer`); where a layer falls back to Megatron's own forward (TP/SP,
+MoE, ...) and for the loss, these pure functions are compiled one by one instead:
 
-- `vlmrl.models.norm.rms_norm` (every input/pre-MLP/final/qk norm),
+- `vlmrl.models.norm.rms_norm` (input/pre-MLP/final/qk norms),
 - `vlmrl.models.mrope.rope_qk` (M-RoPE on queries and keys),
 - `vlmrl.training.logprobs.log_softmax_pick` (logprobs and entropy when the vocabulary is
-  not sharded).
+  not sharded; one pass over the bf16 logits instead of a float32 copy),
 
-SwiGLU uses megatron-core's own compiled fusion (`bias_activation_fusion`), switched on by
-the bridge with the same setting. The plain functions are the reference math and run as they are on CPU; the tests
-check the fused ones against them. Attention and the GEMMs stay outside the compiled
+and SwiGLU uses megatron-core's compiled fusion (`bias_activation_fusion`, set by the
+bridge). The plain functions are the reference math and run as they are on CPU; the tests
+check the compiled ones against them. Attention and the GEMMs stay outside the compiled
 regions, so a new packing layout costs no recompilation, and a new total token count
 compiles one shape-generic kernel set on its second occurrence (torch's automatic dynamic
 shapes) that is reused from then on.
