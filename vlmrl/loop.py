@@ -464,6 +464,7 @@ class Loop:
     def _save_hf(self) -> None:
         from safetensors.torch import save_file
 
+        from .models import families
         from .models.processor import save_processor
 
         out = self.run_dir / "hf"
@@ -476,7 +477,7 @@ class Loop:
             src = Path(self.model_path) / name
             if src.exists():
                 shutil.copy(src, out / name)
-        save_processor(self.processor, out, "Qwen2_5_VLProcessor")
+        save_processor(self.processor, out, families.get(self.cfg.model.family).PROCESSOR_CLASS)
 
 
 def train(cfg: VlmrlConfig) -> dict[str, Any]:

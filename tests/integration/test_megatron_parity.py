@@ -186,7 +186,7 @@ def test_safetensors_directory_source(tmp_path):
     model = small_model(tied=True, layers=2)
     net = parity.make_hf_model(model, seed=3)
     net.save_pretrained(tmp_path)
-    src = adapters.SafetensorsDir(tmp_path)
+    src = adapters.SafetensorsDir(tmp_path, "qwen2_5_vl")
     assert "model.layers.0.self_attn.q_proj.weight" in src and "visual.blocks.0.attn.qkv.weight" in src
     assert torch.equal(src["model.norm.weight"], net.model.language_model.norm.weight)
 

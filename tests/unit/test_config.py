@@ -122,8 +122,15 @@ INVALID = [
     ([*GPU_DENSE, "parallel.ep=2"], "ep-experts", "has no experts"),
     ([*REFERENCE, "parallel.ep=16"], "ep-world", "world/pp"),
     (["parallel.sequence_parallel=true"], "sp-needs-tp", "tp > 1"),
-    ([*REFERENCE, "parallel.micro_batch_size=2"], "gdn-micro-batch", "micro_batch_size=1"),
-    ([*REFERENCE, "parallel.use_dynamic_batch_size=true"], "gdn-micro-batch", "use_dynamic_batch_size=false"),
+    ([*REFERENCE, "parallel.sequence_parallel=false"], "moe-tp-sp", "sequence_parallel=true"),
+    ([*REFERENCE, "parallel.etp=2"], "etp", "parallel.etp=1"),
+    ([*REFERENCE, "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.cp=32", "cluster.num_gpus=64",
+      "rollout.num_gpus=64", "parallel.ep=8"], "cp-gdn-heads", "key heads of one TP rank"),
+    ([*REFERENCE, "model.lm.linear_num_value_heads=24"], "gdn-shape", "multiple of linear_num_key_heads"),
+    (["model.family=qwen3_5"], "model-family", "attention_output_gate=true"),
+    (["model=tiny_qwen3_5", "model.family=qwen2_5_vl"], "model-family", "qwen3_5 or qwen3_5_moe"),
+    (["model=tiny_qwen3_5_moe", "model.family=qwen3_5"], "model-family", "qwen3_5_moe"),
+    (["hardware.gdn_backend=fla"], "hardware-gdn", "gdn_backend=torch"),
     ([*REFERENCE, "parallel.pp=3"], "pp-layers", "num_layers=40"),
     (["hardware=h200"], "hardware-devices", "num_gpus >= 1"),
     (["cluster.num_gpus=2"], "hardware-devices", "must be 0"),
@@ -165,8 +172,8 @@ def test_invalid_configs_are_rejected_by_rule(overrides, rule, text):
 
 def test_all_violations_reported_together():
     with pytest.raises(ConfigError) as err:
-        load([*REFERENCE, "parallel.tp=3", "parallel.micro_batch_size=2"])
-    assert {"world-size", "tp-heads", "gdn-micro-batch"} <= set(err.value.rules)
+        load([*REFERENCE, "parallel.tp=3", "parallel.etp=2"])
+    assert {"world-size", "tp-heads", "etp"} <= set(err.value.rules)
 
 
 @pytest.mark.parametrize("key", ["model.lm.num_layerz", "parallel.tpp", "rollout.sglang.mem_fraction",

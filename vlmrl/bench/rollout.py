@@ -117,9 +117,9 @@ def random_model_engine(group: str, device: str, dtype: str, overrides: list[str
     """An EmbeddedEngine over a random model shaped like config group `model=<group>`
     (with overrides), built in code on `device`, and the tiny checkpoint's processor."""
     import torch
-    import transformers
 
     from ..config import load
+    from ..models.bridge import hf_model_class
     from ..models.processor import load_processor
     from ..models.tiny import SPECIAL_TOKENS, ensure_tiny_checkpoint, hf_config
     from ..rollout.embedded import EmbeddedEngine, _dtype
@@ -135,7 +135,7 @@ def random_model_engine(group: str, device: str, dtype: str, overrides: list[str
     config.text_config.dtype = dtype
     torch_dtype = _dtype(dtype)
     with torch.device(device):
-        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch_dtype)
+        model = hf_model_class(cfg.model)._from_config(config, dtype=torch_dtype)
     model.generation_config.eos_token_id = [SPECIAL_TOKENS.index("<|im_end|>")]
     processor = load_processor(tiny_path, min_pixels=tiny.data.min_pixels, max_pixels=tiny.data.max_pixels)
     return EmbeddedEngine(tiny_path, device=device, dtype=dtype, model=model, processor=processor,

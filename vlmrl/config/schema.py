@@ -108,7 +108,8 @@ class LanguageModelConfig(Sealable):
 @dataclass
 class ModelConfig(Sealable):
     name: str = MISSING
-    # "qwen2_5_vl" (dense LM, windowed ViT) or "qwen3_5_moe" (hybrid GDN + gated attention + MoE)
+    # "qwen2_5_vl" (dense LM, windowed ViT), "qwen3_5" (hybrid Gated DeltaNet + gated attention,
+    # dense MLP) or "qwen3_5_moe" (the same with MoE MLPs); see vlmrl.models.families
     family: str = "qwen2_5_vl"
     # A HuggingFace hub id or a local directory loaded with from_pretrained. For the tiny
     # model, an empty path means "build it in code under cache_dir on first use".
@@ -177,6 +178,9 @@ class HardwareConfig(Sealable):
     # (Triton on GPUs), so off on CPU.
     fused_kernels: bool = False
     train_dtype: str = "float32"  # float32 | bfloat16 (mixed precision on GPUs)
+    # Gated DeltaNet layers: "torch" (chunked, float32 inside; runs everywhere) or "fla"
+    # (flash-linear-attention / FlashQLA kernels; checked against torch before training)
+    gdn_backend: str = "torch"
 
 
 # --------------------------------------------------------------------------- data
@@ -257,6 +261,8 @@ class TrainerConfig(Sealable):
     global_batch_size: int = 16  # samples per optimizer step
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_distributed_optimizer: bool = True
+    # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
+    moe_aux_loss_coeff: float = 0.0
     # Passed verbatim to Megatron's TransformerConfig (not re-declared one by one).
     megatron: dict[str, Any] = field(default_factory=dict)
 

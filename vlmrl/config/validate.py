@@ -3,9 +3,9 @@
 Each rule has a short name; a violation names the rule and the values involved. All
 violations of a config are reported together.
 
-Gated DeltaNet models (any `linear_attention` layer) train with one sample per micro-batch
-and no dynamic batching: the recurrent kernels take one sequence at a time. vlmrl does not
-rewrite the user's choice: such a config fails with the override that fixes it.
+vlmrl does not rewrite the user's choice: a config that cannot work fails with the override
+that fixes it (e.g. MoE layers under tensor parallelism need sequence parallelism, as in
+Megatron: each TP rank routes its own slice of the tokens).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ SGLANG_MM_ATTENTION_BACKENDS = ("sdpa", "fa3", "triton_attn", "ascend_attn", "ai
 VISION_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 ENUMS: dict[str, tuple[object, ...]] = {
-    "model.family": ("qwen2_5_vl", "qwen3_5_moe"),
+    "model.family": ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe"),
     "model.dtype": ("float32", "bfloat16"),
     "hardware.device": ("cpu", "cuda"),
     "hardware.dist_backend": ("gloo", "nccl"),
     "hardware.train_dtype": ("float32", "bfloat16"),
     "hardware.lm_attention_backend": ("sdpa", "local"),
+    "hardware.gdn_backend": ("torch", "fla"),
     "hardware.vision_attn_implementation": VISION_ATTN_IMPLEMENTATIONS,
     "data.source": ("synthetic", "hf"),
     "algo.name": ("grpo", "sft"),
@@ -110,6 +111,21 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if is_moe_model(cfg) and not 0 < lm.moe_router_topk <= lm.num_experts:
         fail("moe-topk", f"model.lm.moe_router_topk={lm.moe_router_topk} must be in "
              f"[1, num_experts={lm.num_experts}]")
+    if is_moe_model(cfg) and m.family != "qwen3_5_moe":
+        fail("model-family", f"model.lm.num_experts={lm.num_experts} needs model.family=qwen3_5_moe "
+             f"(got {m.family})")
+    if m.family == "qwen3_5_moe" and not is_moe_model(cfg):
+        fail("model-family", "model.family=qwen3_5_moe needs model.lm.num_experts > 0 (dense: qwen3_5)")
+    if m.family in ("qwen3_5", "qwen3_5_moe") and not (lm.attention_output_gate and lm.qk_layernorm):
+        fail("model-family", f"model.family={m.family} has gated attention with q/k norms: set "
+             "model.lm.attention_output_gate=true and model.lm.qk_layernorm=true")
+    if m.family == "qwen2_5_vl" and (lm.attention_output_gate or lm.qk_layernorm):
+        fail("model-family", "model.family=qwen2_5_vl has neither an attention output gate nor q/k norms")
+    if is_gdn_model(cfg) and m.family == "qwen2_5_vl":
+        fail("model-family", "linear_attention (Gated DeltaNet) layers need model.family=qwen3_5 or qwen3_5_moe")
+    if is_gdn_model(cfg) and lm.linear_num_key_heads > 0 and lm.linear_num_value_heads % lm.linear_num_key_heads:
+        fail("gdn-shape", f"model.lm.linear_num_value_heads={lm.linear_num_value_heads} must be a multiple of "
+             f"linear_num_key_heads={lm.linear_num_key_heads}")
 
     # --- hardware and devices
     on_gpu = hw.device == "cuda"
@@ -137,6 +153,9 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         if hw.vision_attn_implementation == "flash_attention_3":
             fail("hardware-attention", f"hardware={hw.name} has no FlashAttention 3: "
                  "set hardware.vision_attn_implementation=flash_attention_2 (or sdpa)")
+    if not on_gpu and hw.gdn_backend == "fla":
+        fail("hardware-gdn", "hardware.gdn_backend=fla runs flash-linear-attention's GPU kernels: "
+             "use hardware.gdn_backend=torch on CPU")
     if not on_gpu and hw.vision_attn_implementation.startswith("flash_attention"):
         fail("hardware-attention", f"hardware.vision_attn_implementation={hw.vision_attn_implementation} "
              "needs a GPU: use sdpa on CPU")
@@ -200,7 +219,12 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if is_gdn_model(cfg):
         for key in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(lm, key) % p.tp:
-                fail("tp-gdn-heads", f"parallel.tp={p.tp} does not divide model.lm.{key}={getattr(lm, key)}")
+                fail("tp-gdn-heads", f"parallel.tp={p.tp} does not divide model.lm.{key}={getattr(lm, key)}: "
+                     "Gated DeltaNet layers shard their heads over TP")
+        if p.cp > 1 and (lm.linear_num_key_heads // p.tp) % p.cp:
+            fail("cp-gdn-heads", f"context parallel trades sequence for Gated DeltaNet heads: parallel.cp={p.cp} "
+                 f"must divide the key heads of one TP rank (model.lm.linear_num_key_heads / tp = "
+                 f"{lm.linear_num_key_heads} / {p.tp})")
     if p.sequence_parallel and p.tp == 1:
         fail("sp-needs-tp", "parallel.sequence_parallel=true needs parallel.tp > 1")
     stages = p.pp * (p.vpp or 1)
@@ -215,17 +239,15 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         if per_stage == 0 or per_stage % (p.ep * p.etp):
             fail("ep-world", f"ep*etp={p.ep}*{p.etp} must divide the ranks of one pipeline stage "
                  f"(world/pp = {world}/{p.pp})")
+        if p.etp != 1:
+            fail("etp", f"parallel.etp={p.etp}: vlmrl's experts are not tensor-parallel; set parallel.etp=1 "
+                 "(shard experts with parallel.ep)")
+        if p.tp > 1 and not p.sequence_parallel:
+            fail("moe-tp-sp", f"MoE layers under tensor parallelism (parallel.tp={p.tp}) need "
+                 "parallel.sequence_parallel=true: each TP rank routes its own slice of the tokens")
     elif p.ep != 1 or p.etp != 1:
         fail("ep-experts", f"parallel.ep={p.ep}, parallel.etp={p.etp} need an MoE model; "
              f"model={m.name} has no experts")
-    if is_gdn_model(cfg):
-        if p.micro_batch_size != 1 or p.use_dynamic_batch_size:
-            fail("gdn-micro-batch", f"model={m.name} has Gated DeltaNet layers, which need "
-                 f"parallel.micro_batch_size=1 (got {p.micro_batch_size}) and "
-                 f"parallel.use_dynamic_batch_size=false (got {p.use_dynamic_batch_size})")
-        if p.cp > 1:
-            fail("gdn-cp", f"context parallel (parallel.cp={p.cp}) is not supported for Gated DeltaNet "
-                 "layers yet")
 
     # --- batch arithmetic
     gbs = cfg.trainer.global_batch_size

@@ -3,13 +3,21 @@
 Import-light on purpose (the dry-run path imports vlmrl.models): nothing here imports
 torch or megatron. Modules:
 - `bridge`: vlmrl ModelConfig -> Megatron TransformerConfig, per-layer-type specs, model build
+- `families/`: per-family wiring (Qwen2.5-VL; Qwen3.5 and Qwen3.5-MoE): HF configs and
+  classes, layer specs, weight-mapping rules, checkpoint names
+- `specs`: the ModuleSpecs of the layer parts (attention, Gated DeltaNet, MLP, MoE, layer)
 - `qwen_vl`: the Megatron Qwen-VL module of one pipeline stage (HF ViT + GPTModel, M-RoPE)
 - `attention`: packed (THD) core attention on torch SDPA / flash varlen, context parallel
+- `gdn`, `gated_delta`: the Gated DeltaNet mixer (TP heads, CP all-to-all) and its maths
+  (packed convolution and chunked recurrence in torch; fla kernels on GPUs, checked first)
+- `moe`: routed experts in HF's fused shapes for Megatron's MoELayer (grouped GEMM on GPUs)
+- `grads`: gradient reductions beyond Megatron's (TP sums of head-shared weights)
 - `mrope`: M-RoPE cos/sin tables and rotation (pure)
-- `norm`: RMSNorm for the specs (HF numerics, sequence parallel)
+- `norm`: RMSNorm for the specs (HF numerics, zero-centred gamma, sequence parallel)
 - `kernels`: Inductor-fused twins of the elementwise functions (`hardware.fused_kernels`)
 - `fused_layer`: the transformer layer whose dense body runs as two compiled graphs
 - `adapters`: HF <-> Megatron weights (load, export, bucketed iteration for weight sync)
 - `parity`: HF / cross-layout parity checks and their CLI (`python -m vlmrl.models.parity`)
-- `names`, `processor`, `tiny`: HF names, processor loading, the tiny checkpoint
+- `rules`, `names`, `processor`, `tiny`: weight-mapping rules, HF names, processor loading,
+  the tiny checkpoints
 """

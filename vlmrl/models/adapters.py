@@ -1,23 +1,21 @@
 """Weights between HF checkpoints and the Megatron Qwen-VL model, in both directions.
 
-HF names here are the checkpoint names (`vlmrl.models.names`: `model.layers.0...`,
-`visual.blocks.0...`, `lm_head.weight`); in-memory transformers names
-(`model.language_model...`, `model.visual...`) are accepted on input too.
+HF names here are the checkpoint names (`vlmrl.models.names`, per family: Qwen2.5-VL's
+`model.layers.0...` / `visual.blocks.0...`, Qwen3.5's `model.language_model.layers.0...` /
+`model.visual...` with one tensor per routed expert); in-memory transformers state dicts
+are accepted on input too.
 
-Only the language model changes layout. Per Megatron parameter a `Rule` says which HF
-tensors it comes from and how tensor parallelism cuts it:
-- qkv: q/k/v projections fused per query group ([q heads of group g; k_g; v_g] for each
-  g), cut by groups (column parallel);
-- gate_up: [gate_r; up_r] on TP rank r (column parallel, SwiGLU fused);
-- rows: cut along dim 0 (column-parallel linears, vocab-parallel embedding/output);
-- cols: cut along dim 1 (row-parallel o_proj and down_proj);
-- copy: replicated (norms; every vision parameter, at its unchanged HF name).
-Pipeline stages own consecutive layers: Megatron's local layer j on a stage whose first
-layer is `offset` is HF layer offset + j.
+Only the language model changes layout. Per Megatron parameter a `Rule`
+(`vlmrl.models.rules`, given by the model's family) says which HF tensors it comes from and
+how tensor parallelism cuts it: copy, rows, cols, qkv, qkv_gated, gate_up, gdn_qkv, and the
+routed experts (experts_gate_up / experts_down), which are cut over expert parallelism
+instead. Pipeline stages own consecutive layers: Megatron's local layer j on a stage whose
+first layer is `offset` is HF layer offset + j; expert-parallel rank r of E_local experts
+holds experts [r * E_local, (r + 1) * E_local).
 
 Pure functions (`hf_to_megatron`, `megatron_to_hf`) convert state dicts of one rank /
 all TP shards without any process group; `load_hf_weights` and `iter_hf_weights` apply
-them to live model chunks, gathering across TP and PP ranks for export and weight sync.
+them to live model chunks, gathering across TP, EP and PP ranks for export and weight sync.
 All conversions are views, cuts and concatenations: the round trip is bitwise lossless.
 """
 
@@ -26,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,53 +31,31 @@ import torch
 from torch import Tensor
 
 from ..config.schema import ModelConfig
-from . import names
+from . import families
+from .rules import Rule
 
 LM = "language_model."
 _LAYER = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.(.+)$")
 
 
-@dataclass(frozen=True)
-class Rule:
-    kind: str  # copy | rows | cols | qkv | gate_up
-    hf: tuple[str, ...]
-    export: bool = True  # False: a copy of a tensor exported elsewhere (tied output layer)
+def rule_for(model: ModelConfig, megatron_name: str, *, layer_offset: int, experts: range | None = None) -> Rule:
+    """How the Megatron parameter `megatron_name` (a QwenVLModel chunk's name) maps to HF.
 
-
-def _layer_rules(lm: Any, i: int, rest: str) -> Rule | None:
-    p = f"model.layers.{i}."
-    table = {
-        "input_layernorm.weight": Rule("copy", (p + "input_layernorm.weight",)),
-        "pre_mlp_layernorm.weight": Rule("copy", (p + "post_attention_layernorm.weight",)),
-        "self_attention.linear_qkv.weight": Rule("qkv", tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
-        "self_attention.linear_qkv.bias": Rule("qkv", tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv")),
-        "self_attention.linear_proj.weight": Rule("cols", (p + "self_attn.o_proj.weight",)),
-        "self_attention.q_layernorm.weight": Rule("copy", (p + "self_attn.q_norm.weight",)),
-        "self_attention.k_layernorm.weight": Rule("copy", (p + "self_attn.k_norm.weight",)),
-        "mlp.linear_fc1.weight": Rule("gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-        "mlp.linear_fc2.weight": Rule("cols", (p + "mlp.down_proj.weight",)),
-    }
-    return table.get(rest)
-
-
-def rule_for(model: ModelConfig, megatron_name: str, *, layer_offset: int) -> Rule:
-    """How the Megatron parameter `megatron_name` (a QwenVLModel chunk's name) maps to HF."""
+    experts: the global indices of the routed experts the parameter holds (expert-parallel
+    shard); all of the model's experts when None."""
+    family = families.get(model.family)
     if megatron_name.startswith("visual."):
-        return Rule("copy", (megatron_name,))
-    tied = model.lm.tie_word_embeddings
-    if megatron_name == LM + "embedding.word_embeddings.weight":
-        return Rule("rows", ("model.embed_tokens.weight",))
-    if megatron_name == LM + "output_layer.weight":
-        # tied weights under PP: the last stage's copy of the embeddings
-        return Rule("rows", ("model.embed_tokens.weight",), export=False) if tied else Rule("rows", ("lm_head.weight",))
-    if megatron_name == LM + "decoder.final_layernorm.weight":
-        return Rule("copy", ("model.norm.weight",))
-    m = _LAYER.match(megatron_name)
-    if m:
-        rule = _layer_rules(model.lm, layer_offset + int(m.group(1)), m.group(2))
+        return Rule("copy", (family.VISION_PREFIX + megatron_name[len("visual."):],))
+    if experts is None:
+        experts = range(model.lm.num_experts)
+    if megatron_name.startswith(LM):
+        rest = megatron_name[len(LM):]
+        m = _LAYER.match(megatron_name)
+        rule = (family.layer_rule(model, layer_offset + int(m.group(1)), m.group(2), experts) if m
+                else family.top_rule(model, rest))
         if rule is not None:
             return rule
-    raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
+    raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r} (family {model.family})")
 
 
 # --------------------------------------------------------------------------- tensor cuts
@@ -105,6 +80,49 @@ def _qkv_split(model: ModelConfig, fused: Tensor) -> tuple[Tensor, Tensor, Tenso
     return (q.reshape(g * per * hd, *tail), k.reshape(g * hd, *tail), v.reshape(g * hd, *tail))
 
 
+def _qkv_gated_fuse(model: ModelConfig, q_gate: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """HF q_proj rows [query_h; gate_h] per head, k_proj, v_proj -> Megatron rows per query
+    group g: [queries of g; gates of g; k_g; v_g]."""
+    lm = model.lm
+    g, hd = lm.num_query_groups, lm.head_dim
+    per = lm.num_attention_heads // g
+    tail = q_gate.shape[1:]
+    qg = q_gate.reshape(g, per, 2, hd, *tail)
+    q, gate = qg[:, :, 0].reshape(g, per * hd, *tail), qg[:, :, 1].reshape(g, per * hd, *tail)
+    return torch.cat([q, gate, k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1).reshape(-1, *tail)
+
+
+def _qkv_gated_split(model: ModelConfig, fused: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    lm = model.lm
+    g, hd = lm.num_query_groups, lm.head_dim
+    per = lm.num_attention_heads // g
+    tail = fused.shape[1:]
+    q, gate, k, v = fused.reshape(g, (2 * per + 2) * hd, *tail).split([per * hd, per * hd, hd, hd], dim=1)
+    q_gate = torch.stack([q.reshape(g, per, hd, *tail), gate.reshape(g, per, hd, *tail)], dim=2)
+    return q_gate.reshape(-1, *tail), k.reshape(g * hd, *tail), v.reshape(g * hd, *tail)
+
+
+def _gdn_dims(model: ModelConfig) -> tuple[int, int, int, int]:
+    lm = model.lm
+    return lm.linear_num_key_heads, lm.linear_key_head_dim, lm.linear_num_value_heads, lm.linear_value_head_dim
+
+
+def _gdn_group(model: ModelConfig, flat: Tensor) -> Tensor:
+    """HF rows [all q; all k; all v] -> per key head h: [q_h; k_h; v of value heads of h]."""
+    hk, dk, hv, dv = _gdn_dims(model)
+    tail = flat.shape[1:]
+    q, k, v = flat.split([hk * dk, hk * dk, hv * dv], dim=0)
+    parts = [q.reshape(hk, dk, *tail), k.reshape(hk, dk, *tail), v.reshape(hk, hv // hk * dv, *tail)]
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def _gdn_ungroup(model: ModelConfig, grouped: Tensor) -> Tensor:
+    hk, dk, hv, dv = _gdn_dims(model)
+    tail = grouped.shape[1:]
+    q, k, v = grouped.reshape(hk, 2 * dk + hv // hk * dv, *tail).split([dk, dk, hv // hk * dv], dim=1)
+    return torch.cat([q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)])
+
+
 def to_megatron(model: ModelConfig, rule: Rule, hf: Sequence[Tensor], tp_rank: int, tp_size: int) -> Tensor:
     """This TP rank's Megatron tensor from the full HF tensor(s) of `rule`."""
     if rule.kind == "copy":
@@ -117,6 +135,14 @@ def to_megatron(model: ModelConfig, rule: Rule, hf: Sequence[Tensor], tp_rank: i
         return _cut(_qkv_fuse(model, *hf), 0, tp_rank, tp_size)
     if rule.kind == "gate_up":
         return torch.cat([_cut(hf[0], 0, tp_rank, tp_size), _cut(hf[1], 0, tp_rank, tp_size)])
+    if rule.kind == "qkv_gated":
+        return _cut(_qkv_gated_fuse(model, *hf), 0, tp_rank, tp_size)
+    if rule.kind == "gdn_qkv":
+        return _cut(_gdn_group(model, hf[0]), 0, tp_rank, tp_size)
+    if rule.kind == "experts_gate_up":  # (gate_e0, up_e0, gate_e1, up_e1, ...)
+        return torch.stack([torch.cat([hf[i], hf[i + 1]]) for i in range(0, len(hf), 2)])
+    if rule.kind == "experts_down":
+        return torch.stack(list(hf))
     raise ValueError(rule.kind)
 
 
@@ -133,6 +159,14 @@ def to_hf(model: ModelConfig, rule: Rule, shards: Sequence[Tensor]) -> list[Tens
     if rule.kind == "gate_up":
         halves = [s.chunk(2, 0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if rule.kind == "qkv_gated":
+        return list(_qkv_gated_split(model, torch.cat(list(shards), 0)))
+    if rule.kind == "gdn_qkv":
+        return [_gdn_ungroup(model, torch.cat(list(shards), 0))]
+    if rule.kind == "experts_gate_up":  # shards: expert-parallel ranks in order, [E_r, 2I, H] each
+        return [half for e in torch.cat(list(shards)) for half in e.chunk(2, 0)]
+    if rule.kind == "experts_down":
+        return list(torch.cat(list(shards)).unbind(0))
     raise ValueError(rule.kind)
 
 
@@ -144,31 +178,37 @@ def _cut(t: Tensor, dim: int, rank: int, size: int) -> Tensor:
 
 # --------------------------------------------------------------------------- pure state dicts
 def hf_to_megatron(model: ModelConfig, hf: Mapping[str, Tensor], megatron_names: Sequence[str], *,
-                   tp_rank: int = 0, tp_size: int = 1, layer_offset: int = 0) -> dict[str, Tensor]:
-    """Megatron tensors of one rank's chunk (its parameter names given) from an HF state dict."""
-    hf = canonical(hf)
+                   tp_rank: int = 0, tp_size: int = 1, layer_offset: int = 0,
+                   experts: range | None = None) -> dict[str, Tensor]:
+    """Megatron tensors of one rank's chunk (its parameter names given) from an HF state dict.
+
+    experts: the routed experts this rank holds (expert parallelism); all when None."""
+    hf = canonical(hf, model)
     return {n: to_megatron(model, r, [_get(hf, h) for h in r.hf], tp_rank, tp_size)
-            for n in megatron_names for r in [rule_for(model, n, layer_offset=layer_offset)]}
+            for n in megatron_names for r in [rule_for(model, n, layer_offset=layer_offset, experts=experts)]}
 
 
 def megatron_to_hf(model: ModelConfig, shards: Sequence[Mapping[str, Tensor]], *,
                    layer_offset: int = 0) -> dict[str, Tensor]:
-    """HF tensors from the state dicts of all TP ranks (rank order) of one pipeline stage."""
+    """HF tensors from the state dicts of all TP ranks (rank order) of one pipeline stage
+    (no expert parallelism: each state dict holds every expert)."""
     out: dict[str, Tensor] = {}
     for n in shards[0]:
         rule = rule_for(model, n, layer_offset=layer_offset)
         if rule.export:
-            out.update(zip(rule.hf, to_hf(model, rule, [s[n] for s in shards])))
+            parts = [shards[0][n]] if rule.expert else [s[n] for s in shards]
+            out.update(zip(rule.hf, to_hf(model, rule, parts)))
     return out
 
 
 def megatron_names(model: ModelConfig, *, num_layers: int, pre_process: bool, post_process: bool,
                    vision_names: Sequence[str] = ()) -> list[str]:
-    """Parameter names of one QwenVLModel chunk (full-attention dense layers), without building it.
-
-    For offline conversion and tests; live chunks report their own names.
-    """
+    """Parameter names of one QwenVLModel chunk of a dense full-attention model (Qwen2.5-VL),
+    without building it. For offline conversion and tests; live chunks report their own names.
+    `vision_names`: the vision tower's parameter names (Megatron side: `visual.*`)."""
     lm = model.lm
+    if lm.layer_types and set(lm.layer_types) != {"full_attention"} or lm.num_experts:
+        raise ValueError("megatron_names lists dense full-attention layers only; build the model for others")
     out = [n for n in vision_names] if pre_process else []
     if pre_process:
         out.append(LM + "embedding.word_embeddings.weight")
@@ -186,11 +226,11 @@ def megatron_names(model: ModelConfig, *, num_layers: int, pre_process: bool, po
     return out
 
 
-def canonical(hf: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+def canonical(hf: Mapping[str, Tensor], model: ModelConfig) -> Mapping[str, Tensor]:
     """An HF state dict keyed by checkpoint names (in-memory transformers names converted)."""
-    if any(k.startswith(("model.language_model.", "model.visual.")) for k in hf):
-        return {names.to_checkpoint_name(k): v for k, v in hf.items()}
-    return hf
+    if isinstance(hf, SafetensorsDir):
+        return hf
+    return families.get(model.family).to_checkpoint(dict(hf))
 
 
 def _get(hf: Mapping[str, Tensor], name: str) -> Tensor:
@@ -202,36 +242,45 @@ def _get(hf: Mapping[str, Tensor], name: str) -> Tensor:
 
 
 class SafetensorsDir(Mapping):
-    """Lazy read-only mapping over the safetensors files of an HF checkpoint directory."""
+    """Lazy read-only mapping over the safetensors files of an HF checkpoint directory, keyed
+    by checkpoint names: in-memory names are converted, and a routed-expert tensor stored
+    fused ([E, 2I, H] / [E, H, I]) appears as its per-expert slices."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, family: str) -> None:
+        from safetensors import safe_open
+
         self.path = Path(path)
+        self.family = families.get(family)
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._where = {k: self.path / f for k, f in weight_map.items()}
+            files = {k: self.path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
         else:
-            from safetensors import safe_open
-
-            self._where = {}
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
+            files = {}
+            found = sorted(self.path.glob("*.safetensors"))
+            if not found:
                 raise FileNotFoundError(f"no safetensors files in {self.path}")
-            for f in files:
+            for f in found:
                 with safe_open(f, "pt") as st:
-                    self._where.update({k: f for k in st.keys()})
-        self._where = {names.to_checkpoint_name(k) if k.startswith("model.language_model.") or
-                       k.startswith("model.visual.") else k: f for k, f in self._where.items()}
+                    files.update({k: f for k in st.keys()})
+        # checkpoint name -> (file, stored key, index into the stored tensor or None)
+        self._where: dict[str, tuple[Path, str, tuple | None]] = {}
+        for key, f in files.items():
+            name = self.family.to_checkpoint_name(key)
+            if not self.family.is_fused(name):
+                self._where[name] = (f, key, None)
+                continue
+            with safe_open(f, "pt") as st:  # a fused tensor: one entry per slice
+                num = st.get_slice(key).get_shape()[0]
+            for part, index in self.family.fused_parts(name, num):
+                self._where[part] = (f, key, index)
 
     def __getitem__(self, name: str) -> Tensor:
         from safetensors import safe_open
 
-        f = self._where[name]
+        f, key, index = self._where[name]
         with safe_open(f, "pt") as st:
-            for key in (name, names.to_module_name(name)):
-                if key in st.keys():
-                    return st.get_tensor(key)
-        raise KeyError(name)
+            t = st.get_tensor(key)
+        return t if index is None else self.family.take(t, index).clone()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -247,6 +296,18 @@ def _coords() -> tuple[int, int]:
     return mps.get_tensor_model_parallel_rank(), mps.get_tensor_model_parallel_world_size()
 
 
+def _local_experts(model: ModelConfig) -> range | None:
+    """The global indices of the routed experts this rank holds (None: a dense model)."""
+    if not model.lm.num_experts:
+        return None
+    from megatron.core import parallel_state as mps
+
+    size = mps.get_expert_model_parallel_world_size()
+    per = model.lm.num_experts // size
+    rank = mps.get_expert_model_parallel_rank()
+    return range(rank * per, (rank + 1) * per)
+
+
 def _chunk_offset(chunk: Any) -> int:
     from .bridge import stage_layers
 
@@ -255,13 +316,17 @@ def _chunk_offset(chunk: Any) -> int:
 
 @torch.no_grad()
 def load_hf_weights(chunks: Sequence[Any], model: ModelConfig, source: str | Path | Mapping[str, Tensor]) -> None:
-    """Copy HF weights (a checkpoint directory or a state dict) into this rank's chunks."""
-    hf = SafetensorsDir(source) if isinstance(source, (str, Path)) else canonical(source)
+    """Copy HF weights (a checkpoint directory or a state dict) into this rank's chunks.
+
+    Every tensor keeps the dtype of the parameter it lands in (float32 `A_log` and GDN norm
+    weights stay float32 when the rest trains in bf16)."""
+    hf = SafetensorsDir(source, model.family) if isinstance(source, (str, Path)) else canonical(source, model)
     tp_rank, tp_size = _coords()
+    experts = _local_experts(model)
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         values = hf_to_megatron(model, hf, list(params), tp_rank=tp_rank, tp_size=tp_size,
-                                layer_offset=_chunk_offset(chunk))
+                                layer_offset=_chunk_offset(chunk), experts=experts)
         for n, p in params.items():
             v = values[n]
             if v.shape != p.shape:
@@ -281,11 +346,13 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
                     grads: bool = False, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield the full model as (hf_name, tensor) buckets of about `bucket_bytes` each.
 
-    Collective over the tensor- and pipeline-parallel groups: every rank of a model
-    replica calls it and receives the same buckets (all stages, all TP shards gathered).
-    `grads=True` exports gradients (`main_grad` under Megatron DDP, else `.grad`) instead of
-    weights; under pipeline parallelism with tied embeddings the first stage's embedding
-    gradient must already include the output layer's (Megatron's finalize_model_grads).
+    Collective over the tensor-, expert- and pipeline-parallel groups: every rank of a model
+    replica calls it and receives the same buckets (all stages, all TP shards and all
+    experts gathered). `grads=True` exports gradients (`main_grad` under Megatron DDP, else
+    `.grad`) instead of weights; under pipeline parallelism with tied embeddings the first
+    stage's embedding gradient must already include the output layer's (Megatron's
+    finalize_model_grads). `dtype` casts floating tensors; float32 ones kept float32 by the
+    model (`A_log`, the GDN norm) are cast like the rest.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
@@ -293,23 +360,33 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
     get = _grad_of if grads else (lambda p: p.data)
     tp_group = mps.get_tensor_model_parallel_group()
     tp_size = mps.get_tensor_model_parallel_world_size()
+    ep_group = mps.get_expert_model_parallel_group() if model.lm.num_experts else None
+    ep_size = mps.get_expert_model_parallel_world_size() if model.lm.num_experts else 1
     pp_group = mps.get_pipeline_model_parallel_group()
     pp_size = mps.get_pipeline_model_parallel_world_size()
     pp_rank = mps.get_pipeline_model_parallel_rank()
+
+    def gather(t: Tensor, size: int, group: Any) -> list[Tensor]:
+        if size == 1:
+            return [t]
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return parts
 
     def local_entries() -> Iterator[tuple[str, Tensor]]:
         for chunk in chunks:
             offset = _chunk_offset(chunk)
             for n, p in chunk.named_parameters():
-                rule = rule_for(model, n, layer_offset=offset)
+                rule = rule_for(model, n, layer_offset=offset)  # experts: all of them, after the gather
                 if not rule.export:
                     continue
                 t = get(p).detach()
-                if rule.kind == "copy" or tp_size == 1:
+                if rule.expert:
+                    shards = gather(t, ep_size, ep_group)
+                elif rule.kind == "copy":
                     shards = [t]
                 else:
-                    shards = [torch.empty_like(t) for _ in range(tp_size)]
-                    dist.all_gather(shards, t.contiguous(), group=tp_group)
+                    shards = gather(t, tp_size, tp_group)
                 yield from zip(rule.hf, to_hf(model, rule, shards))
 
     def stage_entries() -> Iterator[tuple[str, Tensor]]:
@@ -331,7 +408,7 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for n, t in stage_entries():
-        if dtype is not None:
+        if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         bucket.append((n, t))
         size += t.numel() * t.element_size()
@@ -349,4 +426,3 @@ def export_hf_state_dict(chunks: Sequence[Any], model: ModelConfig, *, grads: bo
     for bucket in iter_hf_weights(chunks, model, grads=grads, dtype=dtype, bucket_bytes=1 << 62):
         out.update((n, t.clone()) for n, t in bucket)
     return out
-

@@ -1,12 +1,11 @@
 """The bridge from vlmrl's model config to Megatron: TransformerConfig, layer specs, model.
 
 - `transformer_config(model, parallel, ...)`: megatron-core TransformerConfig of the
-  language model (RMSNorm, SwiGLU, GQA, qkv bias, ...), plus the caller's verbatim
-  `trainer.megatron` overrides.
-- `layer_spec(model, layer_type, ...)`: the ModuleSpec of ONE layer type. Layers are
-  built from a per-layer list (`model.lm.layer_types`), so hybrid models mix types:
-  "full_attention" is wired now (packed SDPA core attention with M-RoPE); Gated DeltaNet
-  ("linear_attention") and MoE MLPs plug in here with the Qwen3.5 work.
+  language model (RMSNorm, SwiGLU, GQA, ...), the family's own fields (zero-centred norms,
+  output gate, MoE router) and the caller's verbatim `trainer.megatron` overrides.
+- `layer_spec(model, layer_type, ...)`: the ModuleSpec of ONE layer type, as the model's
+  family (`vlmrl.models.families`) wires it. Layers are built from the per-layer list
+  (`model.lm.layer_types`), so hybrid models mix types (full attention, Gated DeltaNet).
 - `block_spec(...)`: this pipeline stage's slice of the per-layer specs.
 - `build_model(...)`: the `QwenVLModel` chunk(s) of this rank (one per virtual stage).
 - `hf_config(model)` / `model_config_from_hf(hf_config)`: the HF config of a vlmrl model
@@ -24,8 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config.schema import LanguageModelConfig, ModelConfig, ParallelConfig, VisionConfig
+from ..config.schema import ModelConfig, ParallelConfig
 from ..training import compat
+from . import families
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,7 +38,7 @@ def layer_types(model: ModelConfig) -> list[str]:
 # --------------------------------------------------------------------------- config
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32,
                        overrides: Mapping[str, Any] | None = None, num_layers: int | None = None,
-                       fused_kernels: bool = False) -> Any:
+                       fused_kernels: bool = False, moe_aux_loss_coeff: float = 0.0) -> Any:
     """megatron-core TransformerConfig of `model.lm` under `parallel` (+ verbatim overrides).
 
     fused_kernels: megatron-core's torch.compile'd SwiGLU (forward and backward).
@@ -46,8 +46,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_d
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     lm = model.lm
-    if model.family not in ("qwen2_5_vl", "qwen3_5_moe"):
-        raise ValueError(f"unknown model family {model.family!r}")
+    family = families.get(model.family)
     half = params_dtype in (torch.bfloat16, torch.float16)
     kwargs: dict[str, Any] = dict(
         num_layers=num_layers if num_layers is not None else lm.num_layers,
@@ -91,7 +90,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_d
     if lm.num_experts:
         kwargs.update(num_moe_experts=lm.num_experts, moe_router_topk=lm.moe_router_topk,
                       moe_ffn_hidden_size=lm.moe_ffn_hidden_size,
-                      moe_shared_expert_intermediate_size=lm.shared_expert_ffn_hidden_size or None)
+                      moe_shared_expert_intermediate_size=lm.shared_expert_ffn_hidden_size or None,
+                      # the auxiliary load-balancing loss is off unless asked for (trainer.moe_aux_loss_coeff)
+                      moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+                      moe_aux_loss_coeff=moe_aux_loss_coeff)
+    kwargs.update(family.megatron_kwargs(model))
     kwargs.update(compat.megatron_config_defaults())
     # megatron-core's compiled SwiGLU; the bias-dropout-add fusion stays off: with no bias and
     # no dropout the residual add is one kernel already, and the compiled version would trace
@@ -103,64 +106,13 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_d
 
 # --------------------------------------------------------------------------- specs
 def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = "sdpa",
-               fused_kernels: bool = False) -> Any:
-    """ModuleSpec of one transformer layer of the given type (`fused_kernels`: the
-    compiled dense layer of `vlmrl.models.fused_layer`, and the Inductor-compiled norms and
-    rotary of `vlmrl.models.kernels` where it falls back to Megatron's forward)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    from .attention import PackedSelfAttentionCore
-    from .norm import RMSNorm
-
-    lm = model.lm
-    backend = LocalSpecProvider()
-    norm = qk_norm = ModuleSpec(module=RMSNorm, params={"fused": fused_kernels})
-    if lm.num_experts:
-        raise NotImplementedError("MoE MLP layers come with the Qwen3.5 bridge")
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
-                                                          linear_fc2=backend.row_parallel_linear()))
-    if layer_type == "full_attention":
-        if attention_backend == "local":
-            attention_backend = "eager"  # stock local attention cannot do packed sequences
-        mixer = ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.causal},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=backend.column_parallel_linear(),
-                core_attention=ModuleSpec(module=PackedSelfAttentionCore,
-                                          params={"backend": attention_backend, "fused": fused_kernels}),
-                linear_proj=backend.row_parallel_linear(),
-                q_layernorm=qk_norm if lm.qk_layernorm else IdentityOp,
-                k_layernorm=qk_norm if lm.qk_layernorm else IdentityOp,
-            ),
-        )
-    elif layer_type == "linear_attention":
-        raise NotImplementedError("Gated DeltaNet (linear_attention) layers come with the Qwen3.5 bridge")
-    else:
-        raise ValueError(f"unknown layer type {layer_type!r}")
-    layer = TransformerLayer
-    if fused_kernels:
-        from .fused_layer import FusedTransformerLayer
-
-        layer = FusedTransformerLayer
-    return ModuleSpec(
-        module=layer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=mixer,
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+               fused_kernels: bool = False, gdn_backend: str = "torch") -> Any:
+    """ModuleSpec of one transformer layer of the given type, as the model's family wires it
+    (`fused_kernels`: the compiled dense layer of `vlmrl.models.fused_layer`, and the
+    Inductor-compiled norms and rotary of `vlmrl.models.kernels` where it falls back to
+    Megatron's forward; `gdn_backend`: torch | fla for Gated DeltaNet layers)."""
+    return families.get(model.family).layer_spec(model, layer_type, attention_backend=attention_backend,
+                                                 fused_kernels=fused_kernels, gdn_backend=gdn_backend)
 
 
 def stage_layers(config: Any, *, pp_rank: int | None = None, vp_stage: int | None = None) -> tuple[int, int]:
@@ -174,7 +126,8 @@ def stage_layers(config: Any, *, pp_rank: int | None = None, vp_stage: int | Non
 
 
 def block_spec(model: ModelConfig, config: Any, *, attention_backend: str = "sdpa",
-               pp_rank: int | None = None, vp_stage: int | None = None, fused_kernels: bool = False) -> Any:
+               pp_rank: int | None = None, vp_stage: int | None = None, fused_kernels: bool = False,
+               gdn_backend: str = "torch") -> Any:
     """TransformerBlockSubmodules with the layer specs of this pipeline stage only."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -183,7 +136,8 @@ def block_spec(model: ModelConfig, config: Any, *, attention_backend: str = "sdp
 
     types = layer_types(model)[: config.num_layers]
     offset, count = stage_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
-    specs = {t: layer_spec(model, t, attention_backend=attention_backend, fused_kernels=fused_kernels)
+    specs = {t: layer_spec(model, t, attention_backend=attention_backend, fused_kernels=fused_kernels,
+                           gdn_backend=gdn_backend)
              for t in set(types)}
     return TransformerBlockSubmodules(layer_specs=[specs[t] for t in types[offset:offset + count]],
                                       layer_norm=ModuleSpec(module=RMSNorm, params={"fused": fused_kernels}))
@@ -193,7 +147,8 @@ def block_spec(model: ModelConfig, config: Any, *, attention_backend: str = "sdp
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: torch.dtype | None = None,
                 attention_backend: str = "sdpa", vision_attn_implementation: str = "sdpa",
                 megatron_overrides: Mapping[str, Any] | None = None, num_layers: int | None = None,
-                hf_vision_config: Any = None, fused_kernels: bool = False) -> list[Any]:
+                hf_vision_config: Any = None, fused_kernels: bool = False, gdn_backend: str = "torch",
+                moe_aux_loss_coeff: float = 0.0) -> list[Any]:
     """This rank's model chunks (one per virtual pipeline stage), on the current device.
 
     Needs Megatron's parallel state (`vlmrl.training.parallel_state.init_parallel_state`).
@@ -206,7 +161,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
 
     dtype = params_dtype or DTYPES[model.dtype]
     config = transformer_config(model, parallel, params_dtype=dtype, overrides=megatron_overrides,
-                                num_layers=num_layers, fused_kernels=fused_kernels)
+                                num_layers=num_layers, fused_kernels=fused_kernels,
+                                moe_aux_loss_coeff=moe_aux_loss_coeff)
     vision_cfg = hf_vision_config if hf_vision_config is not None else hf_config(model).vision_config
     rope = MRopeSpec.from_lm_config(model.lm)
     vpp = parallel.vpp or 1
@@ -216,12 +172,13 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
         pre = mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         spec = block_spec(model, config, attention_backend=attention_backend, vp_stage=vp_stage,
-                          fused_kernels=fused_kernels)
+                          fused_kernels=fused_kernels, gdn_backend=gdn_backend)
         chunk = QwenVLModel(config, spec, vocab_size=model.lm.vocab_size,
                             max_sequence_length=model.lm.max_position_embeddings, rope=rope,
                             hf_vision_config=vision_cfg, tie_word_embeddings=model.lm.tie_word_embeddings,
                             pre_process=pre, post_process=post, vp_stage=vp_stage,
-                            vision_attn_implementation=vision_attn_implementation)
+                            vision_attn_implementation=vision_attn_implementation,
+                            vision_tower_class=families.get(model.family).vision_tower_class(vision_cfg))
         chunks.append(chunk.to(compat.device()))
     return chunks
 
@@ -229,62 +186,17 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
 # --------------------------------------------------------------------------- HF configs
 def hf_config(model: ModelConfig) -> Any:
     """The transformers config of a vlmrl model config (random HF models, parity checks)."""
-    if model.family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLConfig
-
-        lm, v = model.lm, model.vision
-        if lm.head_dim * lm.num_attention_heads != lm.hidden_size:
-            raise ValueError("Qwen2.5-VL needs head_dim * num_attention_heads == hidden_size")
-        return Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=lm.vocab_size, hidden_size=lm.hidden_size, intermediate_size=lm.ffn_hidden_size,
-                num_hidden_layers=lm.num_layers, num_attention_heads=lm.num_attention_heads,
-                num_key_value_heads=lm.num_query_groups, max_position_embeddings=lm.max_position_embeddings,
-                rms_norm_eps=lm.rms_norm_eps,
-                rope_parameters={"rope_type": "default", "mrope_section": list(lm.mrope_section),
-                                 "rope_theta": lm.rope_theta},
-                tie_word_embeddings=lm.tie_word_embeddings,
-                bos_token_id=None, eos_token_id=None, pad_token_id=None,
-            ),
-            vision_config=dict(
-                depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                num_heads=v.num_heads, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                spatial_merge_size=v.spatial_merge_size, in_channels=v.in_channels,
-                out_hidden_size=v.out_hidden_size, window_size=v.window_size,
-                fullatt_block_indexes=list(v.fullatt_block_indexes),
-            ),
-            image_token_id=model.image_token_id,
-            video_token_id=model.image_token_id + 1,  # Qwen's <|video_pad|> follows <|image_pad|>
-            vision_start_token_id=model.vision_start_token_id,
-            vision_end_token_id=model.vision_end_token_id,
-            tie_word_embeddings=lm.tie_word_embeddings,
-        )
-    raise NotImplementedError(f"HF config of family {model.family!r} is not wired yet")
+    return families.get(model.family).hf_config(model)
 
 
 def model_config_from_hf(hf: Any, *, name: str = "hf") -> ModelConfig:
-    """vlmrl ModelConfig (architecture fields) of a transformers Qwen2.5-VL config."""
-    if getattr(hf, "model_type", "") != "qwen2_5_vl":
-        raise NotImplementedError(f"model_type {getattr(hf, 'model_type', None)!r} is not wired yet")
-    t, v = hf.text_config, hf.vision_config
-    rope = dict(t.rope_parameters or {})
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    lm = LanguageModelConfig(
-        num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
-        num_attention_heads=t.num_attention_heads, num_query_groups=t.num_key_value_heads, head_dim=head_dim,
-        vocab_size=t.vocab_size, max_position_embeddings=t.max_position_embeddings,
-        rope_theta=float(rope.get("rope_theta", 1_000_000.0)), mrope_section=list(rope["mrope_section"]),
-        rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=bool(hf.tie_word_embeddings), add_qkv_bias=True,
-    )
-    vision = VisionConfig(
-        depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_heads=v.num_heads,
-        patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-        spatial_merge_size=v.spatial_merge_size, in_channels=v.in_channels, out_hidden_size=v.out_hidden_size,
-        window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
-    )
-    return ModelConfig(name=name, family="qwen2_5_vl", dtype="float32", lm=lm, vision=vision,
-                       image_token_id=hf.image_token_id, vision_start_token_id=hf.vision_start_token_id,
-                       vision_end_token_id=hf.vision_end_token_id)
+    """vlmrl ModelConfig (architecture fields) of a transformers config of a supported family."""
+    return families.get(families.family_of_hf(hf)).model_config_from_hf(hf, name)
+
+
+def hf_model_class(model: ModelConfig) -> type:
+    """The transformers *ForConditionalGeneration class of `model`'s family."""
+    return families.get(model.family).hf_model_class(model)
 
 
 def with_layers(model: ModelConfig, num_layers: int) -> ModelConfig:

@@ -1,36 +1,39 @@
-"""HF parameter names: checkpoint names vs transformers' in-memory module names.
+"""HF parameter names: checkpoint names vs transformers' in-memory module names, per family.
 
-vlmrl's canonical "HF names" are the names in the checkpoint's safetensors files
-(`model.layers.0.self_attn.q_proj.weight`, `visual.blocks.0.attn.qkv.weight`,
-`lm_head.weight`): what `save_pretrained` writes, what SGLang loads, and what weight sync
-sends. transformers 5 nests the modules differently in memory
-(`model.language_model.layers...`, `model.visual...`); these two pure functions convert.
+vlmrl's canonical "HF names" are the names in a checkpoint's safetensors files: what
+`save_pretrained` writes, what SGLang loads, and what weight sync sends. transformers 5
+holds some of them differently in memory: Qwen2.5-VL nests `model.layers...` as
+`model.language_model.layers...` and `visual...` as `model.visual...`; Qwen3.5-MoE keeps the
+routed experts of a layer fused in two tensors where the checkpoint has one per expert. The
+families (`vlmrl.models.families`) own these rules; these functions dispatch on `family`.
 """
 
 from __future__ import annotations
 
-# (checkpoint prefix, in-memory prefix), most specific first.
-_PREFIXES = (
-    ("visual.", "model.visual."),
-    ("model.", "model.language_model."),
-)
+from typing import Any
+
+from . import families
 
 
-def to_module_name(checkpoint_name: str) -> str:
-    """`model.layers.0...` -> `model.language_model.layers.0...`; `visual.x` -> `model.visual.x`."""
-    for ckpt, mem in _PREFIXES:
-        if checkpoint_name.startswith(ckpt):
-            return mem + checkpoint_name[len(ckpt):]
-    return checkpoint_name
+def to_checkpoint(state: dict[str, Any], family: str) -> dict[str, Any]:
+    """An HF state dict (in-memory or checkpoint names) keyed by checkpoint names."""
+    return families.get(family).to_checkpoint(dict(state))
 
 
-def to_checkpoint_name(module_name: str) -> str:
-    """Inverse of `to_module_name`."""
-    for ckpt, mem in _PREFIXES:
-        if module_name.startswith(mem):
-            return ckpt + module_name[len(mem):]
-    return module_name
+def to_checkpoint_name(module_name: str, family: str = "qwen2_5_vl") -> str:
+    """The checkpoint name of an in-memory parameter name (fused experts excepted: use `to_checkpoint`)."""
+    return families.get(family).to_checkpoint_name(module_name)
 
 
-def is_vision(checkpoint_name: str) -> bool:
-    return checkpoint_name.startswith("visual.")
+def to_module_name(checkpoint_name: str, family: str = "qwen2_5_vl") -> str:
+    """The in-memory parameter a checkpoint tensor is (part of)."""
+    return families.get(family).module_slot(checkpoint_name)[0]
+
+
+def module_slot(checkpoint_name: str, family: str) -> tuple[str, tuple | None]:
+    """(in-memory parameter name, index or None): where a checkpoint tensor lives in memory."""
+    return families.get(family).module_slot(checkpoint_name)
+
+
+def is_vision(checkpoint_name: str, family: str = "qwen2_5_vl") -> bool:
+    return checkpoint_name.startswith(families.get(family).VISION_PREFIX)

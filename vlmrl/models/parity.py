@@ -1,21 +1,31 @@
-"""Parity of the Megatron Qwen-VL model with HF transformers and across parallel layouts.
+"""Parity of the Megatron model with HF transformers and across parallel layouts.
 
-One check = one random-weight HF model of the configured architecture, one packed batch
-of samples with images of different grids, and one forward + backward pass of a simple
-loss (mean next-token cross entropy over the loss-masked tokens):
+One check = one HF model of the configured architecture (random weights, or a local
+checkpoint's), one packed batch of samples with images of different grids plus a text-only
+sample, and one forward + backward pass of a simple loss (mean next-token cross entropy
+over the loss-masked tokens):
 
-- HF reference: `Qwen2_5_VLForConditionalGeneration`, one sample at a time, fp32;
+- HF reference: the family's `*ForConditionalGeneration`, one sample at a time, fp32
+  (transformers' own Gated DeltaNet ignores packing, so it only ever sees one sample);
 - "single": the Megatron model without model parallelism (run as data-parallel replicas
-  in the same processes as the layout under test);
-- each layout under test (e.g. tp=2, pp=2, cp=2), in `tp*pp*cp` gloo processes.
+  in the same processes as the layouts under test), which also runs every sample alone:
+  a sample inside the pack must equal the same sample alone (no state leaks between
+  packed samples: attention, convolution, recurrence);
+- each layout under test (e.g. tp=2, pp=2, cp=2, ep=2), in the same processes.
 
-Logits are gathered to the full vocabulary and the whole (un-CP-split) sequence;
-gradients are gathered back to HF names (`adapters.iter_hf_weights(grads=True)`).
+Every 1-D parameter of the HF model is perturbed first (norm weights start at one or zero,
+biases at zero: a swapped norm or a misplaced bias would go unnoticed otherwise). Logits are
+gathered to the full vocabulary and the whole (un-CP-split) sequence; gradients are
+gathered back to HF checkpoint names (`adapters.iter_hf_weights(grads=True)`) after the
+reductions Megatron's DDP would do, divided by the number of data-parallel replicas.
 
-CLI (Hydra overrides, composed with vlmrl's config; checks the configured layout):
+CLI (Hydra overrides composed with vlmrl's config; checks the configured layout). With
+`model.path` naming a local checkpoint, its shapes come from its config.json (whatever
+`model=` says) and its weights are used when its safetensors are there;
+`model.lm.num_layers=N` truncates the language model:
 
-    python -m vlmrl.models.parity model=tiny parallel.tp=2
-    python -m vlmrl.models.parity model=qwen2_5_vl_3b model.lm.num_layers=2 model.vision.depth=2 parallel.pp=2
+    python -m vlmrl.models.parity model=tiny_qwen3_5_moe parallel.tp=2 parallel.sequence_parallel=true parallel.ep=2
+    python -m vlmrl.models.parity model.path=/path/to/checkpoint parallel.cp=2
 
 prints a table of max |diff| figures with PASS/FAIL against the bounds and exits non-zero
 on a failure.
@@ -24,6 +34,7 @@ on a failure.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +46,7 @@ LOGITS_VS_HF = 1e-4
 LOGITS_VS_SINGLE = 1e-5
 GRADS_VS_SINGLE = 1e-5
 GRADS_VS_HF = 1e-4
+PACK_VS_ALONE = 1e-5
 
 
 @dataclass
@@ -57,6 +69,9 @@ class RunResult:
     roundtrip: float = float("nan")
     buckets: int = 0  # buckets of 256 KiB the weights came in (iter_hf_weights)
     fast_path_layers: int = 0  # layers that ran the compiled dense path (fused_kernels)
+    # max |logits of a sample inside the pack - logits of the same sample alone| ("single" only)
+    pack_vs_alone: float = float("nan")
+    num_parameters: int = 0  # parameters held by global rank 0 (the whole model under "single")
 
 
 def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (1, 6, 4)),
@@ -95,20 +110,21 @@ def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int
     return ParityBatch(samples, pixel_values, grid, targets, seed)
 
 
-def make_hf_model(model: ModelConfig, *, seed: int = 0) -> Any:
-    """A random-weight HF model of `model`'s architecture, fp32, eval mode, SDPA."""
+def make_hf_model(model: ModelConfig, *, seed: int = 0, weights: str | None = None) -> Any:
+    """An HF model of `model`'s architecture (random weights, or those of the checkpoint
+    directory `weights`), fp32, eval mode, SDPA, every 1-D parameter perturbed."""
     import torch
 
-    from .bridge import hf_config
-
-    if model.family != "qwen2_5_vl":
-        raise NotImplementedError(f"parity for family {model.family!r} is not wired yet")
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from .bridge import hf_config, hf_model_class
 
     torch.manual_seed(seed)
-    cfg = hf_config(model)
-    cfg._attn_implementation = "sdpa"
-    net = Qwen2_5_VLForConditionalGeneration(cfg).float().eval()
+    cls = hf_model_class(model)
+    if weights:
+        net = cls.from_pretrained(weights, dtype=torch.float32, attn_implementation="sdpa").eval()
+    else:
+        cfg = hf_config(model)
+        cfg._attn_implementation = "sdpa"
+        net = cls(cfg).float().eval()
     # HF initialises norm weights to one and biases to zero: a swapped norm or a misplaced
     # bias would go unnoticed. Perturb every 1-D parameter.
     with torch.no_grad():
@@ -132,6 +148,7 @@ def hf_reference(net: Any, batch: ParityBatch, model: ModelConfig) -> RunResult:
     from . import names
 
     net.zero_grad(set_to_none=True)
+    net.config.text_config.use_cache = False
     logits, masks = [], []
     start = 0
     img = 0
@@ -154,13 +171,15 @@ def hf_reference(net: Any, batch: ParityBatch, model: ModelConfig) -> RunResult:
     total = float(mask.sum())
     loss = _loss(torch.cat(logits), batch.targets, mask, total)
     loss.backward()
-    grads = {names.to_checkpoint_name(n): p.grad.detach().clone() for n, p in net.named_parameters()}
+    grads = names.to_checkpoint({n: p.grad.detach().clone() for n, p in net.named_parameters()
+                                 if p.grad is not None}, model.family)
     return RunResult("hf", [x.detach() for x in logits], grads)
 
 
 # --------------------------------------------------------------------------- megatron side
 def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[str, Any], batch: ParityBatch,
-                 *, name: str, attention_backend: str = "sdpa", fused_kernels: bool = False) -> RunResult | None:
+                 *, name: str, attention_backend: str = "sdpa", fused_kernels: bool = False,
+                 gdn_backend: str = "torch") -> RunResult | None:
     """Forward + backward of the parity loss under `parallel`; the result on global rank 0.
 
     Collective over the whole default process group (the layout must cover it).
@@ -179,10 +198,11 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
     info = init_parallel_state(parallel, seed=batch.seed)
     try:
         chunks = build_model(model, parallel, params_dtype=torch.float32, attention_backend=attention_backend,
-                             megatron_overrides={"calculate_per_token_loss": True}, fused_kernels=fused_kernels)
+                             megatron_overrides={"calculate_per_token_loss": True}, fused_kernels=fused_kernels,
+                             gdn_backend=gdn_backend)
         adapters.load_hf_weights(chunks, model, hf_state)
         exported = {k: v.cpu() for k, v in adapters.export_hf_state_dict(chunks, model).items()}
-        expected = dict(adapters.canonical(hf_state))
+        expected = dict(adapters.canonical(hf_state, model))
         if model.lm.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
         roundtrip = max_abs_diff(exported, expected)
@@ -232,6 +252,8 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
                     model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1,
                     seq_length=local.num_tokens, micro_batch_size=1, forward_only=False)
         _reduce_grads(chunks, model)
+        alone = _pack_vs_alone(chunks[0], model, batch, store["logits"], whole) \
+            if name == "single" and len(chunks) == 1 and info.pp_size == 1 else float("nan")
 
         # logits: full vocabulary, whole sequence, per sample (real tokens)
         logits = None
@@ -257,39 +279,76 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
         logits = next(p for p in gathered if p is not None)
         fast = sum(bool(getattr(layer, "fast_path", False))
                    for c in chunks for layer in c.language_model.decoder.layers)
-        return RunResult(name, logits, grads, roundtrip, buckets, fast)
+        held = sum(p.numel() for c in chunks for p in c.parameters())
+        return RunResult(name, logits, grads, roundtrip, buckets, fast, alone, held)
     finally:
         destroy_parallel_state()
 
 
+def _pack_vs_alone(chunk: Any, model: ModelConfig, batch: ParityBatch, packed_logits: Any, whole: Any) -> float:
+    """max |logits of each sample inside the pack - its logits run alone| (one process, no CP/TP)."""
+    import torch
+
+    from ..training import packing
+
+    merge = model.vision.spatial_merge_size
+    per_sample = packing.unpack(packed_logits, whole)
+    worst = 0.0
+    patch = 0
+    with torch.no_grad():
+        for s, in_pack in zip(batch.samples, per_sample):
+            alone = packing.pack([s], image_token_id=model.image_token_id, spatial_merge_size=merge)
+            n_patch = int(torch.as_tensor(s.image_grid_thw).prod(-1).sum()) if s.image_grid_thw is not None else 0
+            pixels = batch.pixel_values[patch:patch + n_patch] if n_patch else None
+            patch += n_patch
+            logits = chunk(alone, pixels)
+            worst = max(worst, float((logits.double().cpu() - in_pack.double().cpu()).abs().max()))
+    return worst
+
+
 def _reduce_grads(chunks: list[Any], model: ModelConfig) -> None:
-    """The gradient reductions Megatron's DDP/finalize_model_grads would do, minus DP averaging:
-    sum over context-parallel ranks, sum of sequence-parallel norm weights over TP ranks,
-    and the tied embedding gradient across the first and last pipeline stage."""
+    """The gradient reductions of Megatron's DDP and finalize_model_grads, then the mean over
+    data-parallel replicas (every replica ran the same batch):
+
+    - TP sums of parameters replicated over TP whose gradient each rank holds a part of:
+      sequence-parallel norms and the router (`sequence_parallel`), q/k norms (heads are
+      sharded), vlmrl's head-shared parameters (`vlmrl_tp_sum`);
+    - dense parameters summed over the data x context parallel ranks, expert parameters
+      (`allreduce=False`) over the expert data-parallel ranks;
+    - the tied embedding gradient across the first and last pipeline stage;
+    - everything divided by the number of data-parallel replicas.
+    """
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
 
+    params = [p for c in chunks for p in c.parameters()]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if mps.get_tensor_model_parallel_world_size() > 1:
+        tp = mps.get_tensor_model_parallel_group()
         for c in chunks:
-            for p in c.parameters():
-                if getattr(p, "sequence_parallel", False) and p.grad is not None:
-                    dist.all_reduce(p.grad, group=mps.get_tensor_model_parallel_group())
-    if mps.get_context_parallel_world_size() > 1:
-        group = mps.get_context_parallel_group()
-        for c in chunks:
-            for p in c.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+            for n, p in c.named_parameters():
+                qk = model.lm.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n)
+                if getattr(p, "sequence_parallel", False) or qk or getattr(p, "vlmrl_tp_sum", False):
+                    dist.all_reduce(p.grad, group=tp)
+    dense = mps.get_data_parallel_group(with_context_parallel=True)
+    expert = mps.get_expert_data_parallel_group() if model.lm.num_experts else None
+    for p in params:
+        group = dense if getattr(p, "allreduce", True) else expert
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
     if model.lm.tie_word_embeddings and mps.get_pipeline_model_parallel_world_size() > 1:
         if mps.is_rank_in_embedding_group(ignore_virtual=True):
             first = mps.is_pipeline_first_stage(ignore_virtual=True)
             chunk = chunks[0] if first else chunks[-1]
             weight = chunk.language_model.shared_embedding_or_output_weight()
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
             dist.all_reduce(weight.grad, group=mps.get_embedding_group())
+    dp = mps.get_data_parallel_world_size()
+    if dp > 1:
+        for p in params:
+            p.grad.div_(dp)
 
 
 def single_layout(world_size: int) -> ParallelConfig:
@@ -298,7 +357,7 @@ def single_layout(world_size: int) -> ParallelConfig:
 
 
 def layout_name(p: ParallelConfig) -> str:
-    parts = [f"{k}{getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
+    parts = [f"{k}{getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
     if p.vpp:
         parts.append(f"vpp{p.vpp}")
     if p.sequence_parallel:
@@ -307,16 +366,18 @@ def layout_name(p: ParallelConfig) -> str:
 
 
 def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[ParallelConfig], seed: int,
-           with_hf: bool = True, fused_kernels: bool = False) -> dict[str, Any] | None:
+           with_hf: bool = True, fused_kernels: bool = False, weights: str | None = None,
+           gdn_backend: str = "torch") -> dict[str, Any] | None:
     """Per-process body (`parallel_state.spawn_local`): HF reference, then each layout
-    (`fused_kernels`: with the Inductor-fused kernels of `hardware.fused_kernels`)."""
+    (`fused_kernels`: with the Inductor-fused kernels of `hardware.fused_kernels`; `weights`:
+    a checkpoint directory to take the weights from instead of random ones)."""
     import torch
 
     # an fp32 check: no TF32 in matmuls or convolutions on GPUs
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
-    net = make_hf_model(model, seed=seed)
+    net = make_hf_model(model, seed=seed, weights=weights)
     batch = make_batch(model, seed=seed)
     hf_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     results: dict[str, Any] = {}
@@ -325,7 +386,8 @@ def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[Paralle
     del net
     torch.manual_seed(seed)
     for layout in layouts:
-        res = run_megatron(model, layout, hf_state, batch, name=layout_name(layout), fused_kernels=fused_kernels)
+        res = run_megatron(model, layout, hf_state, batch, name=layout_name(layout), fused_kernels=fused_kernels,
+                           gdn_backend=gdn_backend)
         if rank == 0:
             results[res.name] = res
     return results if rank == 0 else None
@@ -343,6 +405,19 @@ def max_abs_diff(a: Any, b: Any) -> float:
     if a.shape != b.shape:
         raise ValueError(f"shape {tuple(a.shape)} != {tuple(b.shape)}")
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def rel_l2_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """||a - b|| / ||b|| over all tensors together (the relative error of a whole gradient).
+
+    Per-tensor maxima are not used: a gradient that is a sum of many cancelling terms (a
+    decay rate over a whole sequence) is 100x smaller than its terms, so fp32 rounding of the
+    terms alone makes its own relative error large whichever implementation is right."""
+    if set(a) != set(b):
+        raise KeyError(f"different names: only in a {sorted(set(a) - set(b))[:5]}, only in b {sorted(set(b) - set(a))[:5]}")
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    den = sum(float(b[k].double().pow(2).sum()) for k in a)
+    return (num / den) ** 0.5 if den > 0 else num ** 0.5
 
 
 @dataclass
@@ -364,6 +439,9 @@ def compare(results: dict[str, RunResult]) -> list[Check]:
         hf = results["hf"]
         checks.append(Check("logits  single vs HF", max_abs_diff(single.logits, hf.logits), LOGITS_VS_HF))
         checks.append(Check("grads   single vs HF", max_abs_diff(single.grads, hf.grads), GRADS_VS_HF))
+        checks.append(Check("grads   single vs HF (relative L2)", rel_l2_diff(single.grads, hf.grads), GRADS_VS_HF))
+    if single.pack_vs_alone == single.pack_vs_alone:  # not NaN: measured
+        checks.append(Check("logits  in pack vs alone", single.pack_vs_alone, PACK_VS_ALONE))
     for name, res in results.items():
         if name == "hf":
             continue
@@ -376,42 +454,86 @@ def compare(results: dict[str, RunResult]) -> list[Check]:
 
 
 def format_table(checks: list[Check]) -> str:
-    lines = [f"{'check':<34} {'max|diff|':>10} {'bound':>8}  result"]
+    lines = [f"{'check':<38} {'max|diff|':>10} {'bound':>8}  result"]
     for c in checks:
-        lines.append(f"{c.what:<34} {c.value:>10.2e} {c.bound:>8.0e}  {'PASS' if c.ok else 'FAIL'}")
+        lines.append(f"{c.what:<38} {c.value:>10.2e} {c.bound:>8.0e}  {'PASS' if c.ok else 'FAIL'}")
     return "\n".join(lines)
 
 
-def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int = 0,
-               timeout_s: float = 900.0, fused_kernels: bool = False) -> list[Check]:
+def world_size_for(layouts: list[ParallelConfig]) -> int:
+    """The fewest processes that hold every layout (tp*cp*pp ranks, experts over ep*etp*pp)."""
+    world = 1
+    for p in layouts:
+        world = math.lcm(world, math.lcm(p.tp * p.cp, p.ep * p.etp) * p.pp)
+    return world
+
+
+def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int = 0, timeout_s: float = 900.0,
+               fused_kernels: bool = False, weights: str | None = None) -> list[Check]:
     """Spawn the gloo processes, run HF + single + `layouts`, return the checks."""
     from ..training.parallel_state import spawn_local
 
-    world = max([p.tp * p.pp * p.cp for p in layouts] + [1])
-    for p in layouts:
-        if world % (p.tp * p.pp * p.cp):
-            raise ValueError(f"layout {layout_name(p)} does not divide the {world} processes")
+    world = world_size_for(layouts)
     results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, True, fused_kernels,
-                          timeout_s=timeout_s)[0]
+                          weights, timeout_s=timeout_s)[0]
     return compare(results)
 
 
+# the validation rules about the model and its parallel layout (vlmrl.config.validate)
+LAYOUT_RULES = {"positive", "mrope-section", "layer-types", "gdn-shape", "moe-topk", "model-family", "tp-heads",
+                "tp-kv-groups", "tp-gdn-heads", "cp-gdn-heads", "sp-needs-tp", "pp-layers", "ep-experts",
+                "ep-world", "etp", "moe-tp-sp", "cp-loss"}
+
+
+def model_from_checkpoint(path: str, overrides: list[str]) -> tuple[ModelConfig, str | None]:
+    """The ModelConfig of a local checkpoint (shapes from its config.json; `model.lm.num_layers`
+    and `model.vision.depth` overrides truncate) and the directory to take weights from (None
+    when truncated or without safetensors: random weights)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from .bridge import model_config_from_hf, with_layers
+
+    hf = AutoConfig.from_pretrained(path)
+    model = model_config_from_hf(hf, name=Path(path).name)
+    given = dict(o.split("=", 1) for o in overrides if "=" in o)
+    truncated = False
+    if "model.lm.num_layers" in given:
+        model, truncated = with_layers(model, int(given["model.lm.num_layers"])), True
+    if "model.vision.depth" in given:
+        model = dataclasses.replace(model, vision=dataclasses.replace(model.vision,
+                                                                      depth=int(given["model.vision.depth"])))
+        truncated = True
+    weights = None if truncated or not any(Path(path).glob("*.safetensors")) else path
+    return model, weights
+
+
 def main(argv: list[str] | None = None) -> int:
+    from pathlib import Path
+
     from .. import config as vconfig
+    from ..config.validate import check
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     cfg = vconfig.load(overrides, check_rules=False)
     model, parallel = cfg.model, cfg.parallel
+    weights = None
+    if model.path and (Path(model.path) / "config.json").exists():
+        model, weights = model_from_checkpoint(model.path, overrides)
     model = dataclasses.replace(model, dtype="float32")
-    if parallel.tp * parallel.pp * parallel.cp == 1:
-        layouts: list[ParallelConfig] = []
-    else:
-        layouts = [dataclasses.replace(parallel)]
+    layouts = [] if parallel.tp * parallel.pp * parallel.cp * parallel.ep == 1 else [dataclasses.replace(parallel)]
+    world = world_size_for(layouts)
+    probe = dataclasses.replace(cfg, model=model, cluster=dataclasses.replace(cfg.cluster, num_cpu_ranks=world))
+    bad = [v for v in check(probe) if v.rule in LAYOUT_RULES]
+    if bad:
+        print("the layout cannot run this model:\n" + "\n".join(f"  - {v}" for v in bad), file=sys.stderr)
+        return 2
     fused = cfg.hardware.fused_kernels
-    checks = run_parity(model, layouts, seed=cfg.seed, fused_kernels=fused)
+    checks = run_parity(model, layouts, seed=cfg.seed, fused_kernels=fused, weights=weights)
     print(f"model={model.name} family={model.family} layers={model.lm.num_layers} "
-          f"vision_depth={model.vision.depth} layout={layout_name(parallel)} fused_kernels={fused} "
-          "(fp32, CPU/gloo)")
+          f"vision_depth={model.vision.depth} layout={layout_name(parallel)} processes={world} "
+          f"weights={'checkpoint' if weights else 'random'} fused_kernels={fused} (fp32, CPU/gloo)")
     print(format_table(checks))
     return 0 if all(c.ok for c in checks) else 1
 

@@ -47,6 +47,7 @@ class QwenVLModel(MegatronModule):
         post_process: bool = True,
         vp_stage: int | None = None,
         vision_attn_implementation: str = "sdpa",
+        vision_tower_class: type | None = None,
     ) -> None:
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
@@ -68,8 +69,8 @@ class QwenVLModel(MegatronModule):
             scatter_embedding_sequence_parallel=False,
             vp_stage=vp_stage,
         )
-        self.visual = build_vision_tower(hf_vision_config, vision_attn_implementation, config.params_dtype) \
-            if pre_process else None
+        self.visual = build_vision_tower(hf_vision_config, vision_attn_implementation, config.params_dtype,
+                                         vision_tower_class) if pre_process else None
         self.spatial_merge_size = int(getattr(hf_vision_config, "spatial_merge_size", 2))
 
     # Megatron's schedules hand the previous stage's output in here.
@@ -143,20 +144,13 @@ class QwenVLModel(MegatronModule):
         return out
 
 
-def build_vision_tower(hf_vision_config: Any, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The HF vision tower of a Qwen-VL model, built from its HF vision config."""
-    model_type = getattr(hf_vision_config, "model_type", "")
-    if model_type == "qwen2_5_vl_vision":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
-
-        cls = Qwen2_5_VisionTransformerPretrainedModel
-    else:
-        raise NotImplementedError(f"vision tower of type {model_type!r} is not wired yet")
+def build_vision_tower(hf_vision_config: Any, attn_implementation: str, dtype: torch.dtype,
+                       cls: type | None) -> torch.nn.Module:
+    """The HF vision tower (class `cls`, its family's: `families.*.vision_tower_class`)."""
+    if cls is None:
+        raise ValueError("build_vision_tower needs the vision tower class of the model's family")
     hf_vision_config._attn_implementation = attn_implementation
-    tower = cls._from_config(hf_vision_config, dtype=dtype)
-    return tower
+    return cls._from_config(hf_vision_config, dtype=dtype)
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

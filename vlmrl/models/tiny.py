@@ -1,10 +1,13 @@
-"""The tiny checkpoint: a real HF checkpoint directory of a small random Qwen2.5-VL model.
+"""Tiny checkpoints: real HF checkpoint directories of small random models of each family.
 
-`python -m vlmrl.models.tiny --out DIR` writes config.json, model.safetensors, a byte-level
-BPE tokenizer trained here (with Qwen's chat and vision special tokens and a chat template
-that emits image placeholders), the image processor config and the processor config.
-Everything downstream loads it with `from_pretrained`, exactly like a downloaded model.
-`model=tiny` with an empty `model.path` builds it on first use under `model.cache_dir`.
+`python -m vlmrl.models.tiny [--family qwen2_5_vl|qwen3_5|qwen3_5_moe] --out DIR` writes
+config.json, model.safetensors, a byte-level BPE tokenizer trained here (with Qwen's chat and
+vision special tokens and a chat template that emits image placeholders), the image
+processor config and the processor config, with the family's transformers classes
+(Qwen2.5-VL, Qwen3.5, Qwen3.5-MoE). Everything downstream loads it with `from_pretrained`,
+exactly like a downloaded model. `model=tiny` (Qwen2.5-VL), `model=tiny_qwen3_5` and
+`model=tiny_qwen3_5_moe` with an empty `model.path` build theirs on first use under
+`model.cache_dir`.
 """
 
 from __future__ import annotations
@@ -114,57 +117,33 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
     return tok
 
 
-def hf_config(model: ModelConfig) -> Any:
-    """The transformers Qwen2_5_VLConfig of a `qwen2_5_vl` model config."""
-    from transformers import Qwen2_5_VLConfig
+# the config option of each family's tiny model
+TINY_OPTIONS = {"qwen2_5_vl": "tiny", "qwen3_5": "tiny_qwen3_5", "qwen3_5_moe": "tiny_qwen3_5_moe"}
 
-    lm, v = model.lm, model.vision
-    if model.family != "qwen2_5_vl":
-        raise ValueError(f"the tiny maker builds Qwen2.5-VL models; model.family={model.family}")
-    return Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=lm.vocab_size,
-            hidden_size=lm.hidden_size,
-            intermediate_size=lm.ffn_hidden_size,
-            num_hidden_layers=lm.num_layers,
-            num_attention_heads=lm.num_attention_heads,
-            num_key_value_heads=lm.num_query_groups,
-            max_position_embeddings=lm.max_position_embeddings,
-            rms_norm_eps=lm.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "mrope_section": list(lm.mrope_section),
-                             "rope_theta": lm.rope_theta},
-            tie_word_embeddings=lm.tie_word_embeddings,
-            bos_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
-            eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
-            pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
-        ),
-        vision_config=dict(
-            depth=v.depth,
-            hidden_size=v.hidden_size,
-            intermediate_size=v.intermediate_size,
-            num_heads=v.num_heads,
-            patch_size=v.patch_size,
-            temporal_patch_size=v.temporal_patch_size,
-            spatial_merge_size=v.spatial_merge_size,
-            in_channels=v.in_channels,
-            out_hidden_size=v.out_hidden_size,
-            window_size=v.window_size,
-            fullatt_block_indexes=list(v.fullatt_block_indexes),
-        ),
-        image_token_id=model.image_token_id,
-        video_token_id=SPECIAL_TOKENS.index("<|video_pad|>"),
-        vision_start_token_id=model.vision_start_token_id,
-        vision_end_token_id=model.vision_end_token_id,
-        tie_word_embeddings=lm.tie_word_embeddings,
-    )
+
+def hf_config(model: ModelConfig) -> Any:
+    """The transformers config of a tiny model: the family's, with the tokenizer's ids."""
+    from .bridge import hf_config as family_hf_config
+
+    config = family_hf_config(model)
+    text = config.text_config
+    text.bos_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
+    text.eos_token_id = SPECIAL_TOKENS.index("<|im_end|>")
+    text.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
+    config.video_token_id = SPECIAL_TOKENS.index("<|video_pad|>")
+    return config
 
 
 def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: int = 0,
                           min_pixels: int = 3136, max_pixels: int = 12544) -> Path:
     """Write the checkpoint directory `out` (atomically: a temp dir renamed at the end)."""
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    import transformers
+    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from . import families
+    from .bridge import hf_model_class
 
     ids = {"image": model.image_token_id, "start": model.vision_start_token_id, "end": model.vision_end_token_id}
     expected = {"image": SPECIAL_TOKENS.index("<|image_pad|>"), "start": SPECIAL_TOKENS.index("<|vision_start|>"),
@@ -192,13 +171,14 @@ def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: i
             patch_size=model.vision.patch_size, temporal_patch_size=model.vision.temporal_patch_size,
             merge_size=model.vision.spatial_merge_size,
         )
-        processor = image_only(Qwen2_5_VLProcessor)(image_processor=image_processor, tokenizer=tok,
-                                                    chat_template=CHAT_TEMPLATE)
-        save_processor(processor, tmp, "Qwen2_5_VLProcessor")
+        processor_class = families.get(model.family).PROCESSOR_CLASS
+        processor = image_only(getattr(transformers, processor_class))(
+            image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
+        save_processor(processor, tmp, processor_class)
 
         torch.manual_seed(seed)
         config = hf_config(model)
-        net = Qwen2_5_VLForConditionalGeneration(config).eval()
+        net = hf_model_class(model)(config).eval()
         net.generation_config.eos_token_id = [SPECIAL_TOKENS.index("<|im_end|>"),
                                               SPECIAL_TOKENS.index("<|endoftext|>")]
         net.generation_config.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
@@ -218,6 +198,8 @@ def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: i
 def _fingerprint(model: ModelConfig, seed: int, min_pixels: int, max_pixels: int) -> str:
     arch = {"lm": asdict(model.lm), "vision": asdict(model.vision), "seed": seed, "version": MAKER_VERSION,
             "pixels": [min_pixels, max_pixels]}
+    if model.family != "qwen2_5_vl":  # (keeps the cache keys of existing Qwen2.5-VL tiny models)
+        arch["family"] = model.family
     return hashlib.sha256(json.dumps(arch, sort_keys=True, default=list).encode()).hexdigest()[:10]
 
 
@@ -233,7 +215,8 @@ def ensure_tiny_checkpoint(model: ModelConfig, *, seed: int = 0, min_pixels: int
     import fcntl
 
     root = Path(model.cache_dir) / "models"
-    out = root / f"tiny-{_fingerprint(model, seed, min_pixels, max_pixels)}"
+    prefix = "tiny" if model.family == "qwen2_5_vl" else f"tiny-{model.family}"
+    out = root / f"{prefix}-{_fingerprint(model, seed, min_pixels, max_pixels)}"
     if (out / "config.json").exists():
         return str(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -247,17 +230,19 @@ def ensure_tiny_checkpoint(model: ModelConfig, *, seed: int = 0, min_pixels: int
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(TINY_OPTIONS),
+                        help="model family (config option model={})".format("|".join(TINY_OPTIONS.values())))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model.lm.num_layers=2")
     args = parser.parse_args(argv)
 
     from ..config import load
 
-    cfg = load(["model=tiny", *args.overrides])
+    cfg = load([f"model={TINY_OPTIONS[args.family]}", *args.overrides])
     out = build_tiny_checkpoint(cfg.model, args.out, seed=args.seed, min_pixels=cfg.data.min_pixels,
                                 max_pixels=cfg.data.max_pixels)
     meta = json.loads((out / "vlmrl_tiny.json").read_text())
-    print(f"wrote {out} ({meta['num_parameters'] / 1e6:.2f}M parameters)")
+    print(f"wrote {out} ({cfg.model.family}, {meta['num_parameters'] / 1e6:.2f}M parameters)")
 
 
 if __name__ == "__main__":

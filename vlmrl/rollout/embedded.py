@@ -407,24 +407,30 @@ class EmbeddedEngine:
         return results  # type: ignore[return-value]
 
     def load_named_tensors(self, named_tensors: Sequence[tuple[str, Any]]) -> None:
-        """Copy tensors given by HF checkpoint names into the model (under the engine lock)."""
+        """Copy tensors given by HF checkpoint names into the model (under the engine lock).
+
+        A checkpoint tensor may be a slice of an in-memory parameter (Qwen3.5-MoE's routed
+        experts: one tensor per expert on disk and on the wire, fused in memory)."""
         import torch
 
-        from ..models.names import to_module_name
+        from ..models import families
 
         if "weights" in self.released_tags:
             raise EngineError("the weights' memory is released; resume it (tags=['weights']) before "
                               "updating them", retryable=False, status=400)
+        family = families.get(families.family_of_hf(self.model.config))
         params = self.model.state_dict(keep_vars=True)
         with self._lock, torch.no_grad():
             for name, value in named_tensors:
-                target = params.get(to_module_name(name), params.get(name))
+                module_name, index = family.module_slot(name)
+                target = params.get(module_name, params.get(name))
                 if target is None:
                     raise EngineError(f"unknown parameter {name!r}", retryable=False, status=400)
+                target = target.data if index is None else family.take(target.data, index)
                 if tuple(target.shape) != tuple(value.shape):
                     raise EngineError(f"shape mismatch for {name}: engine {tuple(target.shape)}, "
                                       f"sent {tuple(value.shape)}", retryable=False, status=400)
-                target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
             self._prompt_cache.clear()
 
     # ----------------------------------------------------------------- Engine protocol

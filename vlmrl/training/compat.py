@@ -2,8 +2,9 @@
 
 Megatron assumes CUDA in a handful of spots that matter to us: tensors allocated on
 `torch.cuda.current_device()`, the CUDA RNG state tracker behind
-`model_parallel_cuda_manual_seed` and dropout forks, and an undefined `te_general_gemm` in
-the MoE router when TransformerEngine is absent. `apply()` patches exactly those, and only
+`model_parallel_cuda_manual_seed` and dropout forks, an undefined `te_general_gemm` in
+the MoE router when TransformerEngine is absent, and the side stream on which the MoE
+all-to-all dispatcher copies its split sizes to the host. `apply()` patches exactly those, and only
 for CPU processes; on GPUs it changes nothing, so the same code runs with NCCL.
 Keep every CUDA-only workaround in this module.
 
@@ -154,6 +155,46 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class _HostStream:
+    """A CUDA stream stand-in for CPU processes: work is already ordered on the host."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HostStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's maybe_move_tensor_to_cpu for tensors that are already on the host."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def apply() -> None:
     """Install the CPU shims (idempotent; a no-op when CUDA is available)."""
     global _APPLIED
@@ -205,6 +246,17 @@ def apply() -> None:
     from megatron.core.optimizer import optimizer as moptimizer
 
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+
+    # 7. The MoE all-to-all dispatcher creates a CUDA side stream and copies split sizes to
+    #    the host on it; on a CPU process a stream is a no-op stand-in.
+    torch.cuda.Stream = _HostStream  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda *args, **kwargs: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()  # type: ignore[assignment]
+    #    Its split sizes become host arrays only when they were on a GPU; the collectives take
+    #    arrays (or lists), not tensors.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
     _APPLIED = True
 
 

@@ -56,8 +56,10 @@ class MegatronTrainer:
         build = partial(build_model, cfg.model, cfg.parallel, params_dtype=self.dtype,
                         attention_backend=cfg.hardware.lm_attention_backend,
                         vision_attn_implementation=cfg.hardware.vision_attn_implementation,
-                        fused_kernels=cfg.hardware.fused_kernels, megatron_overrides=overrides)
+                        fused_kernels=cfg.hardware.fused_kernels, gdn_backend=cfg.hardware.gdn_backend,
+                        moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff, megatron_overrides=overrides)
         chunks = build()
+        self._check_gdn_fast_path()
         adapters.load_hf_weights(chunks, cfg.model, model_path)
         self.ref_chunks = None
         if cfg.algo.kl_coef > 0:
@@ -68,9 +70,10 @@ class MegatronTrainer:
 
         self.model = self._wrap_ddp(chunks)
         # Megatron's schedules call this after the last micro-batch: the DP gradient
-        # all-reduce, the sequence-parallel norm and tied-embedding reductions, and (with
-        # calculate_per_token_loss) the division by the global token count.
-        from megatron.core.distributed import finalize_model_grads
+        # all-reduce, the sequence-parallel norm and tied-embedding reductions, (with
+        # calculate_per_token_loss) the division by the global token count, and the TP sums
+        # of vlmrl's head-shared parameters (the Gated DeltaNet norm).
+        from ..models.grads import finalize_model_grads
 
         for c in chunks:
             c.config.finalize_model_grads_func = finalize_model_grads
@@ -80,6 +83,20 @@ class MegatronTrainer:
         self.steps = 0
 
     # ------------------------------------------------------------------ setup
+    def _check_gdn_fast_path(self) -> None:
+        """With hardware.gdn_backend=fla: compare fla's Gated DeltaNet kernels (forward and
+        backward, packed) with the torch path at this model's head sizes before the first step,
+        and refuse to train on a mismatch (vlmrl.models.gated_delta.check_fast_path)."""
+        lm = self.model_cfg.lm
+        if self.cfg.hardware.gdn_backend != "fla" or "linear_attention" not in lm.layer_types:
+            return
+        from ..models.gated_delta import check_fast_path
+        from . import compat
+
+        ratio = lm.linear_num_value_heads // lm.linear_num_key_heads
+        check_fast_path(compat.device(), self.dtype, hk=2, hv=2 * ratio, dk=lm.linear_key_head_dim,
+                        dv=lm.linear_value_head_dim, conv_k=lm.linear_conv_kernel_dim)
+
     @property
     def chunks(self) -> list[Any]:
         return [m.module for m in self.model]

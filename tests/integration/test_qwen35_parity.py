@@ -1,0 +1,117 @@
+"""Megatron Qwen3.5 (Gated DeltaNet + gated attention, dense or MoE) vs HF transformers, and
+every parallel layout vs one process (CPU, gloo, fp32): the acceptance gate of the family.
+
+One pair of gloo processes per model runs the HF reference (one sample at a time:
+transformers' Gated DeltaNet ignores packing), the single-process Megatron model (which
+also runs each sample alone, the state-leak check) and the layouts. The MoE miniature runs
+under tensor parallelism with sequence parallelism (validation requires it: each TP rank
+routes its own tokens). The parity CLI is run as a user would, on a tiny checkpoint
+directory, and refuses a layout the model cannot take before starting any process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from _dist import run_in_processes
+
+from vlmrl.config import load
+from vlmrl.config.schema import ParallelConfig
+from vlmrl.models import parity
+
+MOE_LAYOUTS = {"tp2+sp": ParallelConfig(tp=2, sequence_parallel=True), "pp2": ParallelConfig(pp=2),
+               "cp2": ParallelConfig(cp=2), "ep2": ParallelConfig(ep=2),
+               "tp2+ep2+sp": ParallelConfig(tp=2, ep=2, sequence_parallel=True)}
+DENSE_LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2+sp": ParallelConfig(tp=2, sequence_parallel=True),
+                 "pp2": ParallelConfig(pp=2), "cp2": ParallelConfig(cp=2)}
+
+
+def _run(option: str, layouts: dict[str, ParallelConfig]) -> dict[str, parity.RunResult]:
+    model = load([f"model={option}"], check_rules=False).model
+    return run_in_processes(parity.worker, 2, model, [parity.single_layout(2), *layouts.values()], 0,
+                            timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def moe_results():
+    return _run("tiny_qwen3_5_moe", MOE_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def dense_results():
+    return _run("tiny_qwen3_5", DENSE_LAYOUTS)
+
+
+@pytest.mark.parametrize("which", ["moe", "dense"])
+def test_single_process_matches_hf(which, moe_results, dense_results):
+    res = moe_results if which == "moe" else dense_results
+    assert parity.max_abs_diff(res["single"].logits, res["hf"].logits) <= parity.LOGITS_VS_HF
+    assert parity.max_abs_diff(res["single"].grads, res["hf"].grads) <= parity.GRADS_VS_HF
+    assert parity.rel_l2_diff(res["single"].grads, res["hf"].grads) <= parity.GRADS_VS_HF
+
+
+@pytest.mark.parametrize("which", ["moe", "dense"])
+def test_a_sample_in_a_pack_equals_it_alone(which, moe_results, dense_results):
+    res = moe_results if which == "moe" else dense_results
+    assert res["single"].pack_vs_alone <= parity.PACK_VS_ALONE
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_layout_matches_single(moe_results, layout):
+    res = moe_results[parity.layout_name(MOE_LAYOUTS[layout])]
+    assert parity.max_abs_diff(res.logits, moe_results["single"].logits) <= parity.LOGITS_VS_SINGLE
+    assert parity.max_abs_diff(res.grads, moe_results["single"].grads) <= parity.GRADS_VS_SINGLE
+    assert res.roundtrip == 0.0 and res.buckets > 1
+
+
+@pytest.mark.parametrize("layout", list(DENSE_LAYOUTS))
+def test_dense_layout_matches_single(dense_results, layout):
+    res = dense_results[parity.layout_name(DENSE_LAYOUTS[layout])]
+    assert parity.max_abs_diff(res.logits, dense_results["single"].logits) <= parity.LOGITS_VS_SINGLE
+    assert parity.max_abs_diff(res.grads, dense_results["single"].grads) <= parity.GRADS_VS_SINGLE
+    assert res.roundtrip == 0.0
+
+
+@pytest.mark.parametrize("which", ["moe", "dense"])
+def test_plan_counts_the_built_model(which, moe_results, dense_results):
+    from vlmrl.config.memory import count_params
+
+    res = moe_results if which == "moe" else dense_results
+    option = "tiny_qwen3_5_moe" if which == "moe" else "tiny_qwen3_5"
+    assert res["single"].num_parameters == count_params(load([f"model={option}"], check_rules=False)).total
+
+
+def test_every_hf_parameter_gets_a_gradient(moe_results):
+    """Each GDN, gated-attention, router, expert, shared-expert and vision parameter takes
+    part (the names cover HF's whole checkpoint, and the routed experts' gradients are not all
+    zero)."""
+    grads = moe_results["single"].grads
+    assert grads.keys() == moe_results["hf"].grads.keys()
+    for part in ("linear_attn.A_log", "linear_attn.conv1d.weight", "linear_attn.norm.weight",
+                 "self_attn.q_proj.weight", "self_attn.q_norm.weight", "mlp.gate.weight",
+                 "mlp.shared_expert_gate.weight", "mlp.experts.0.up_proj.weight", "model.visual.merger"):
+        hits = [k for k in grads if part in k]
+        assert hits, part
+        assert any(float(grads[k].abs().max()) > 0 for k in hits), part
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "vlmrl.models.parity", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_parity_cli_on_a_tiny_checkpoint(cache_dir):
+    from vlmrl.models.tiny import ensure_tiny_checkpoint
+
+    cfg = load(["model=tiny_qwen3_5_moe", f"model.cache_dir={cache_dir}"])
+    path = ensure_tiny_checkpoint(cfg.model, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    out = _cli(f"model.path={path}", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "family=qwen3_5_moe" in out.stdout and "weights=checkpoint" in out.stdout
+    assert "FAIL" not in out.stdout and out.stdout.count("PASS") >= 7, out.stdout
+    refused = _cli(f"model.path={path}", "parallel.tp=2")
+    assert refused.returncode == 2 and "moe-tp-sp" in refused.stderr, refused.stderr

@@ -1,0 +1,128 @@
+"""Gated DeltaNet maths on packed sequences (vlmrl.models.gated_delta) against its definition
+and against transformers' Qwen3.5 functions run one sample at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmrl.models import gated_delta as gd
+
+LENS = (37, 70, 5, 64)
+
+
+def packed_inputs(lens=LENS, hk=2, hv=4, dk=16, dv=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    q = torch.randn(total, hk, dk, generator=g, dtype=dtype)
+    k = torch.randn(total, hk, dk, generator=g, dtype=dtype)
+    v = torch.randn(total, hv, dv, generator=g, dtype=dtype)
+    decay = -torch.rand(total, hv, generator=g, dtype=dtype) * 2
+    beta = torch.rand(total, hv, generator=g, dtype=dtype)
+    offsets = [0]
+    for n in lens[:-1]:
+        offsets.append(offsets[-1] + n)
+    return q, k, v, decay, beta, gd.segment_bounds(offsets, total)
+
+
+def test_segment_bounds_give_a_trailing_pad_its_own_segment():
+    assert gd.segment_bounds([0, 5], 9) == [(0, 5), (5, 9)]
+    assert gd.segment_bounds([0, 5, 9], 12) == [(0, 5), (5, 9), (9, 12)]
+    assert gd.segment_bounds([5], 9) == [(0, 5), (5, 9)]
+    assert gd.segment_bounds([0, 4, 4], 8) == [(0, 4), (4, 8)]  # empty segments dropped
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_rule_equals_the_token_by_token_recurrence(chunk):
+    q, k, v, decay, beta, bounds = packed_inputs()
+    got = gd.chunk_gated_delta_rule(q, k, v, decay, beta, bounds, chunk=chunk).double()
+    want = gd.recurrent_gated_delta_rule(q, k, v, decay, beta, bounds).double()
+    assert (got - want).abs().max() < 1e-5  # float32 inside
+
+
+def test_chunked_rule_gradients_equal_the_recurrence():
+    q, k, v, decay, beta, bounds = packed_inputs(lens=(20, 13), dtype=torch.float32)
+    grads = []
+    for fn in (lambda *a: gd.chunk_gated_delta_rule(*a, bounds, chunk=8),
+               lambda *a: gd.recurrent_gated_delta_rule(*a, bounds)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, decay, beta)]
+        fn(*leaves).pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() / b.abs().max() < 1e-4
+
+
+def test_rule_matches_transformers_per_sample():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_recurrent_gated_delta_rule
+
+    q, k, v, decay, beta, bounds = packed_inputs(dtype=torch.float32)
+    got = gd.chunk_gated_delta_rule(q, k, v, decay, beta, bounds)
+    for a, b in bounds:
+        want, _ = torch_recurrent_gated_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b], decay[None, a:b],
+                                                   beta[None, a:b], use_qk_l2norm_in_kernel=True)
+        assert (got[a:b] - want[0]).abs().max() < 1e-5
+
+
+def test_no_state_leaks_between_packed_samples():
+    """A sample inside a pack equals the same sample alone; treating the pack as one segment
+    (the leak a kernel without cu_seqlens has) changes every later sample: the check has teeth."""
+    q, k, v, decay, beta, bounds = packed_inputs()
+    packed = gd.chunk_gated_delta_rule(q, k, v, decay, beta, bounds)
+    leaky = gd.chunk_gated_delta_rule(q, k, v, decay, beta, [(0, q.shape[0])])
+    for i, (a, b) in enumerate(bounds):
+        alone = gd.chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], [(0, b - a)])
+        assert (packed[a:b] - alone).abs().max() < 1e-6
+        if i > 0:
+            assert (leaky[a:b] - alone).abs().max() > 1e-2
+
+
+def test_convolution_restarts_at_each_sample_and_matches_transformers():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import causal_conv1d_fn
+
+    _, _, _, _, _, bounds = packed_inputs()
+    total = bounds[-1][1]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(total, 12, generator=g)
+    w = torch.randn(12, 4, generator=g)
+    got = gd.causal_conv1d(x, w, bounds)
+    for a, b in bounds:
+        want = causal_conv1d_fn(x[None, a:b].transpose(1, 2), w, None, activation="silu")[0].T
+        assert (got[a:b] - want).abs().max() < 1e-5
+    leaky = gd.causal_conv1d(x, w, [(0, total)])
+    a = bounds[1][0]
+    assert (leaky[a] - got[a]).abs().max() > 1e-3  # the first token of sample 1 sees sample 0 when leaking
+
+
+def test_gated_norm_matches_transformers():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNormGated
+
+    norm = Qwen3_5MoeRMSNormGated(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, z = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    assert torch.allclose(gd.gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z), atol=1e-6)
+    xb, zb = x.bfloat16(), z.bfloat16()
+    assert torch.equal(gd.gated_rms_norm(xb, zb, norm.weight, 1e-6), norm(xb, zb))  # fp32 weight, bf16 input
+
+
+def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
+    """The GPU fast path is compared with the torch path before use: a kernel whose output
+    or gradients disagree is refused with an error that names what differs."""
+    def wrong_rule(q, k, v, g, beta, cu):
+        bounds = [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+        return gd.chunk_gated_delta_rule(q, k, v, g * 0.5, beta, bounds)
+
+    def torch_conv(x, w, cu):
+        return gd.causal_conv1d(x, w, [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
+
+    monkeypatch.setattr(gd, "fla_causal_conv1d", torch_conv)
+    monkeypatch.setattr(gd, "fla_gated_delta_rule", wrong_rule)
+    monkeypatch.setattr(gd, "_CHECKED", {})
+    with pytest.raises(gd.FastPathError, match="output differs"):
+        gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16)
+
+    def right_rule(q, k, v, g, beta, cu):
+        return gd.chunk_gated_delta_rule(q, k, v, g, beta, [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
+
+    monkeypatch.setattr(gd, "fla_gated_delta_rule", right_rule)
+    assert gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16) == 0.0

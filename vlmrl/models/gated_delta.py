@@ -1,0 +1,309 @@
+"""Gated DeltaNet maths on packed (THD) sequences: pure tensor functions and the GPU kernels.
+
+A Gated DeltaNet head keeps a recurrent state S (key_dim x value_dim). For token t, with
+l2-normalised query/key, query scaled by key_dim^-0.5, decay g_t <= 0 (log space) and
+write strength beta_t in (0, 1):
+
+    S'  = exp(g_t) * S
+    S   = S' + beta_t * k_t (v_t - S'^T k_t)^T       (the delta rule)
+    o_t = S^T q_t
+
+Packed sequences hold several samples back to back. Both the short causal convolution that
+precedes the recurrence and the recurrence itself restart at every sample boundary
+(`offsets`, the sample starts in the packed tensor; a stretch after the last offset is a
+segment of its own), so nothing leaks from one sample into the next.
+
+Backends (`hardware.gdn_backend`):
+- "torch": chunked form of the recurrence in float32 (`chunk_gated_delta_rule`), the
+  reference, runs everywhere (CPU ranks, CPU tests, the GPU fast-path check);
+- "fla": flash-linear-attention's `chunk_gated_delta_rule` and varlen `causal_conv1d`
+  (on Hopper, fla >= 0.6 dispatches to FlashQLA's TileLang kernels when installed). Before
+  the first use in a process, `check_fast_path` compares its forward and backward with the
+  torch path on a small packed input and refuses to train on a mismatch.
+
+The chunked form (chunk of C tokens, state S at the chunk start, gamma_i the cumulative
+log decay inside the chunk): the per-token corrections u_j = beta_j (v_j - S_j'^T k_j)
+solve a unit lower-triangular system (I + A) U = beta*V - beta*exp(gamma)*K S with
+A_jl = beta_j exp(gamma_j - gamma_l) k_j.k_l (l < j), so U = T(beta V) - T(beta exp(gamma) K) S;
+the outputs are O = exp(gamma) Q S + (M * Q K^T) U with M_ij = exp(gamma_i - gamma_j), j <= i,
+and the next state is exp(gamma_C) S + (exp(gamma_C - gamma) K)^T U.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKENDS = ("torch", "fla")
+CHUNK = 64
+
+
+# --------------------------------------------------------------------------- segments
+def segment_bounds(offsets: Sequence[int], total: int) -> list[tuple[int, int]]:
+    """[(start, end)] of every non-empty segment: between consecutive offsets, and a tail
+    after the last offset (e.g. trailing padding) as a segment of its own."""
+    cuts = [int(x) for x in offsets]
+    if not cuts or cuts[0] != 0:
+        cuts = [0, *cuts]
+    if cuts[-1] < total:
+        cuts.append(total)
+    return [(a, min(b, total)) for a, b in zip(cuts[:-1], cuts[1:]) if min(b, total) > a]
+
+
+def segment_ids(bounds: Sequence[tuple[int, int]], total: int, device: torch.device | None = None) -> Tensor:
+    """[T] long: the segment index of each token."""
+    ids = torch.empty(total, dtype=torch.long)
+    for i, (a, b) in enumerate(bounds):
+        ids[a:b] = i
+    return ids.to(device) if device is not None else ids
+
+
+# --------------------------------------------------------------------------- short convolution
+def causal_conv1d(x: Tensor, weight: Tensor, bounds: Sequence[tuple[int, int]], activation: bool = True) -> Tensor:
+    """Depthwise causal convolution of packed x [T, C] with weight [C, K], restarting at
+    each segment (every segment sees zeros before its first token), then SiLU.
+
+    out[t, c] = sum_j weight[c, j] * x[t - (K - 1) + j, c], terms before the segment start dropped.
+    """
+    t_len, _ = x.shape
+    k = weight.shape[-1]
+    w = weight.to(x.dtype)
+    start = torch.empty(t_len, dtype=torch.long)
+    for a, b in bounds:
+        start[a:b] = a
+    pos = torch.arange(t_len)
+    start, pos = start.to(x.device), pos.to(x.device)
+    padded = F.pad(x, (0, 0, k - 1, 0))
+    out = None
+    for j in range(k):
+        shift = k - 1 - j  # x[t - shift]
+        term = padded[j:j + t_len] * w[:, j]
+        if shift:
+            term = term * (pos - shift >= start).unsqueeze(-1).to(x.dtype)
+        out = term if out is None else out + term
+    return F.silu(out) if activation else out
+
+
+# --------------------------------------------------------------------------- recurrence
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _to_segments(x: Tensor, bounds: Sequence[tuple[int, int]], length: int) -> Tensor:
+    """[T, ...] -> [n_segments, length, ...], zero padded at the end of each segment."""
+    out = x.new_zeros((len(bounds), length, *x.shape[1:]))
+    for i, (a, b) in enumerate(bounds):
+        out[i, : b - a] = x[a:b]
+    return out
+
+
+def _from_segments(y: Tensor, bounds: Sequence[tuple[int, int]]) -> Tensor:
+    return torch.cat([y[i, : b - a] for i, (a, b) in enumerate(bounds)])
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           bounds: Sequence[tuple[int, int]], *, chunk: int = CHUNK) -> Tensor:
+    """The gated delta rule over packed segments, chunked, in float32.
+
+    q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk: value head j reads key head
+    j // (Hv / Hk)); g, beta [T, Hv]. q and k are l2-normalised here and q is scaled by
+    dk^-0.5. Returns o [T, Hv, dv] in v's dtype.
+    """
+    out_dtype = v.dtype
+    hk, hv = k.shape[1], v.shape[1]
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=1)
+        k = k.repeat_interleave(hv // hk, dim=1)
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    k = l2norm(k)
+    longest = max(b - a for a, b in bounds)
+    length = -(-longest // chunk) * chunk
+    # [B, L, H, d] -> [B, H, n, C, d]
+    def seg(x: Tensor) -> Tensor:
+        y = _to_segments(x, bounds, length)
+        y = y.transpose(1, 2) if y.dim() == 4 else y.transpose(1, 2).unsqueeze(-1)
+        return y.reshape(y.shape[0], y.shape[1], length // chunk, chunk, y.shape[-1])
+
+    qs, ks, vs = seg(q), seg(k), seg(v)
+    gs, bs = seg(g).squeeze(-1), seg(beta).squeeze(-1)  # [B, H, n, C]
+    gamma = gs.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = gamma.unsqueeze(-1) - gamma.unsqueeze(-2)  # [.., i, j] = gamma_i - gamma_j
+    decay = diff.masked_fill(~lower, float("-inf")).exp()  # M (j <= i)
+    kb = ks * bs.unsqueeze(-1)
+    a = (kb @ ks.transpose(-1, -2)) * decay
+    system = a.masked_fill(~lower, 0.0)  # unit diagonal: beta_j k_j.k_j exp(0) replaced below
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = system * (1 - eye) + eye
+    u_base = torch.linalg.solve_triangular(system, vs * bs.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * gamma.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (qs @ ks.transpose(-1, -2)) * decay
+    q_decayed = qs * gamma.exp().unsqueeze(-1)
+    k_tail = ks * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    chunk_decay = gamma[..., -1].exp()  # [B, H, n]
+    b_, h_, n_ = qs.shape[:3]
+    state = q.new_zeros(b_, h_, qs.shape[-1], vs.shape[-1])
+    outs = []
+    for i in range(n_):
+        u = u_base[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ u)
+        state = state * chunk_decay[:, :, i, None, None] + k_tail[:, :, i].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).reshape(b_, h_, length, -1).transpose(1, 2)  # [B, L, H, dv]
+    return _from_segments(o, bounds).to(out_dtype)
+
+
+def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                               bounds: Sequence[tuple[int, int]]) -> Tensor:
+    """The same recurrence token by token (float32): the definition, for tests."""
+    hk, hv = k.shape[1], v.shape[1]
+    q = q.repeat_interleave(hv // hk, dim=1).float()
+    k = k.repeat_interleave(hv // hk, dim=1).float()
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    k = l2norm(k)
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.zeros_like(v)
+    for a, b in bounds:
+        state = v.new_zeros(hv, k.shape[-1], v.shape[-1])
+        for t in range(a, b):
+            state = state * g[t].exp()[:, None, None]
+            pred = (state * k[t].unsqueeze(-1)).sum(-2)
+            state = state + k[t].unsqueeze(-1) * ((v[t] - pred) * beta[t].unsqueeze(-1)).unsqueeze(-2)
+            out[t] = (state * q[t].unsqueeze(-1)).sum(-2)
+    return out
+
+
+# --------------------------------------------------------------------------- gated norm
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [..., d] (float32 statistics, plain weight) times SiLU(gate), in x's dtype.
+
+    The normalised input is cast back to x's dtype before the weight (the weight stays in
+    its own dtype: float32 in published checkpoints) and the gate is applied in float32.
+    """
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
+
+
+def decay_and_beta(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b)."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid()
+
+
+# --------------------------------------------------------------------------- GPU kernels
+class FastPathError(RuntimeError):
+    """The fla kernels disagree with the torch reference: training on them is refused."""
+
+
+@functools.cache
+def _fla() -> tuple:
+    try:
+        from fla.modules.convolution import causal_conv1d as fla_conv
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    except ImportError as e:
+        raise ImportError("hardware.gdn_backend=fla needs flash-linear-attention (pip install "
+                          "'vlmrl[gpu]'); use hardware.gdn_backend=torch without it") from e
+    return fla_conv, fla_rule
+
+
+def fla_causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """fla's varlen causal convolution + SiLU of packed x [T, C] (weight [C, K])."""
+    fla_conv, _ = _fla()
+    out = fla_conv(x.unsqueeze(0), weight=weight.to(x.dtype), bias=None, activation="silu",
+                   cu_seqlens=cu_seqlens)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.squeeze(0)
+
+
+def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]."""
+    _, fla_rule = _fla()
+    hk, hv = k.shape[1], v.shape[1]
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=1)
+        k = k.repeat_interleave(hv // hk, dim=1)
+    o, _ = fla_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
+                    beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=None,
+                    output_final_state=False, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    return o.squeeze(0)
+
+
+def cu_seqlens_of(bounds: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
+    return torch.tensor([0] + [b for _, b in bounds], dtype=torch.int32, device=device)
+
+
+_CHECKED: dict[tuple, float] = {}
+
+# bf16 tolerances of the fast-path check (relative to the largest reference magnitude):
+# bf16 carries 8 significant bits (relative step 2^-8 = 3.9e-3); the chunked kernels add
+# a few roundings per chunk, so 2e-2 admits bf16 noise and still flags a wrong kernel,
+# whose errors are O(1) relative (e.g. the known-wrong Triton backward on Hopper).
+FAST_PATH_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+
+
+def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv: int = 4, dk: int = 64,
+                    dv: int = 64, conv_k: int = 4, lens: Sequence[int] = (37, 130, 91), seed: int = 0) -> float:
+    """Compare fla's conv + recurrence, forward and backward, with the torch path on a small
+    packed input; raise FastPathError naming what disagrees. Returns the worst relative
+    difference. Run once per process and shape signature (cached)."""
+    key = (str(device), dtype, hk, hv, dk, dv, conv_k)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    total = sum(lens)
+    channels = 2 * hk * dk + hv * dv
+
+    def rnd(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    x = rnd(total, channels)
+    w = rnd(channels, conv_k, scale=0.5)
+    a = rnd(total, hv)
+    b = rnd(total, hv)
+    a_log = torch.empty(hv).uniform_(0.0, 2.0, generator=gen).to(device)
+    dt_bias = torch.ones(hv, device=device)
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    bounds = segment_bounds(offsets[:-1], total)
+    cu = cu_seqlens_of(bounds, device)
+    grad_out = rnd(total, hv, dv)
+
+    def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, a, b)]
+        xx, ww, aa, bb = leaves
+        mixed = fla_causal_conv1d(xx, ww, cu) if fast else causal_conv1d(xx, ww, bounds)
+        qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)
+        q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
+        v = vv.reshape(total, hv, dv)
+        g, beta = decay_and_beta(aa, bb, a_log, dt_bias)
+        o = (fla_gated_delta_rule(q, k, v, g, beta, cu) if fast
+             else chunk_gated_delta_rule(q, k, v, g, beta, bounds))
+        o.float().backward(grad_out.float())
+        return o.detach().float(), [t.grad.detach().float() for t in leaves]
+
+    ref_o, ref_g = run(False)
+    o, grads = run(True)
+    tol = FAST_PATH_TOL.get(dtype, 2e-2)
+    worst = 0.0
+    for name, got, want in [("output", o, ref_o)] + [(f"grad of {n}", gg, rg) for n, gg, rg in
+                                                      zip(("input", "conv weight", "a", "b"), grads, ref_g)]:
+        rel = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+        worst = max(worst, rel)
+        if not rel <= tol:  # catches NaN too
+            raise FastPathError(
+                f"the fla Gated DeltaNet path disagrees with the torch reference: {name} differs by "
+                f"{rel:.3g} relative (tolerance {tol:g}, {dtype}, {device}); refusing to train on it. "
+                "Install a flash-linear-attention / FlashQLA build that passes, or set "
+                "hardware.gdn_backend=torch")
+    _CHECKED[key] = worst
+    return worst

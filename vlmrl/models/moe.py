@@ -1,0 +1,117 @@
+"""Routed experts of the Qwen3.5-MoE layers, held in HF's fused shapes, for Megatron's MoELayer.
+
+The MoE block itself is megatron-core's `MoELayer`: its top-k router (softmax over the
+top-k logits = HF's softmax-then-renormalise, in float32), its all-to-all token dispatcher
+(expert parallelism) and its `SharedExpertMLP` with the sigmoid gate. Megatron's only
+experts module without TransformerEngine or the grouped_gemm package is a Python loop of
+per-expert MLPs; `HFExperts` replaces it with two parameters shaped like HF's:
+
+    gate_up_proj [E_local, 2 * I, H]   rows [gate; up] of each expert (SwiGLU)
+    down_proj    [E_local, H, I]
+
+so the conversion from a checkpoint is a stack of per-expert tensors and the compute is one
+grouped GEMM per projection on GPUs (`torch._grouped_mm`, bf16 on Hopper and newer) or a
+loop over the experts that received tokens elsewhere. Expert parallelism shards axis 0
+(this rank holds experts [ep_rank * E_local, (ep_rank + 1) * E_local)); expert tensor
+parallelism is not supported (validation asks for parallel.etp=1).
+
+The router's output weight of each token is applied after the down projection, as HF does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+
+def _can_group(x: Tensor, w: Tensor) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def expert_mlp(x: Tensor, tokens_per_expert: list[int] | Tensor, gate_up: Tensor, down: Tensor,
+               probs: Tensor | None = None, *, grouped: bool | None = None) -> Tensor:
+    """SwiGLU experts on tokens sorted by expert: x [N, H] (the first tokens_per_expert[0]
+    rows go to expert 0, ...) -> [N, H], each row scaled by its router weight `probs` [N].
+
+    grouped: torch's grouped GEMM (one kernel per projection for all experts); None picks it
+    where it runs (CUDA, bf16, Hopper or newer), else a loop over the experts with tokens.
+    """
+    if grouped is None:
+        grouped = _can_group(x, gate_up)
+    if grouped:
+        counts = torch.as_tensor(tokens_per_expert, device=x.device)
+        offs = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)
+        g, u = h.chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+    else:
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, Tensor) else list(tokens_per_expert)
+        parts = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = x[start:start + n]
+            g, u = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            parts.append(F.linear(F.silu(g) * u, down[e]))
+            start += n
+        out = torch.cat(parts) if parts else x.new_zeros(0, down.shape[1])
+        if start != x.shape[0]:
+            raise ValueError(f"tokens_per_expert sums to {start}, the input has {x.shape[0]} rows")
+    if probs is not None:
+        out = (out * probs.unsqueeze(-1)).to(x.dtype)
+    return out
+
+
+class HFExperts(MegatronModule):
+    """The `experts` submodule of Megatron's MoELayer (see the module docstring)."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection: Any = None,
+                 submodules: Any = None, **_: Any) -> None:
+        super().__init__(config=config)
+        if config.expert_tensor_parallel_size != 1:
+            raise ValueError("HF-shaped experts support expert_tensor_parallel_size=1 (parallel.etp=1)")
+        self.num_local_experts = num_local_experts
+        self.ep_group = getattr(pg_collection, "ep", None)
+        self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
+        h, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        std = config.init_method_std
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(num_local_experts, 2 * ffn, h, dtype=config.params_dtype) * std)
+        self.down_proj = torch.nn.Parameter(torch.randn(num_local_experts, h, ffn, dtype=config.params_dtype) * std)
+        for p in (self.gate_up_proj, self.down_proj):
+            # expert parameters: gradients reduced over the expert-data-parallel group, which
+            # also spans the TP ranks when experts are not TP-sharded (etp=1)
+            p.allreduce = False  # type: ignore[attr-defined]
+
+    def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor,
+                permuted_probs: Tensor) -> tuple[Tensor, None]:
+        out = expert_mlp(permuted_local_hidden_states, tokens_per_expert, self.gate_up_proj, self.down_proj,
+                         permuted_probs)
+        return out, None
+
+    def backward_dw(self) -> None:  # Megatron's delayed weight-gradient hook: nothing delayed here
+        pass
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Local experts as the slice [ep_rank * E_local, ...) of global [E, ...] tensors."""
+        from megatron.core import parallel_state as mps
+
+        ep_rank = self.ep_group.rank() if self.ep_group is not None else mps.get_expert_model_parallel_rank()
+        ep_size = self.ep_group.size() if self.ep_group is not None else mps.get_expert_model_parallel_world_size()
+        dp_rank = (self.expt_dp_group.rank() if self.expt_dp_group is not None
+                   else mps.get_expert_data_parallel_rank())
+        prepend = len(sharded_offsets)
+        out = {}
+        for name in ("gate_up_proj", "down_proj"):
+            tensor = getattr(self, name)
+            out[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}{name}", tensor, *sharded_offsets, (prepend, ep_rank, ep_size),
+                replica_id=(0, 0, dp_rank), prepend_axis_num=prepend)
+        return out
