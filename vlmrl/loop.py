@@ -150,6 +150,7 @@ class Loop:
     def _setup(self) -> None:
         from .data.prompts import PromptDataset
         from .logging.progress import Progress
+        from .models.bridge import check_checkpoint
         from .models.processor import load_processor
         from .rewards import build_verifier
         from .rewards.pool import RewardPool
@@ -157,6 +158,7 @@ class Loop:
         cfg, d = self.cfg, self.cfg.data
         random.seed(cfg.seed)
         self.model_path = model_path(cfg)
+        check_checkpoint(cfg.model, self.model_path)
         self.processor = load_processor(self.model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
         self.train_data = PromptDataset(d, d.train_split, self.processor)
         self.test_data = PromptDataset(d, d.test_split, self.processor)

@@ -143,3 +143,17 @@ def test_model_config_round_trips_through_hf_config(option):
                 "out_hidden_size", "num_position_embeddings"):
         assert getattr(back.vision, key) == getattr(model.vision, key), key
     assert (back.image_token_id, back.vision_start_token_id) == (model.image_token_id, model.vision_start_token_id)
+
+
+def test_a_config_that_does_not_describe_the_checkpoint_is_refused(tmp_path):
+    from vlmrl.models.bridge import check_checkpoint, hf_config
+
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    hf_config(model).save_pretrained(tmp_path)
+    check_checkpoint(model, str(tmp_path))  # agrees
+    other = load(["model=tiny_qwen3_5_moe", "model.lm.num_experts=4", "model.image_token_id=7"],
+                 check_rules=False).model
+    with pytest.raises(ValueError) as err:
+        check_checkpoint(other, str(tmp_path))
+    assert "model.lm.num_experts: config 4, checkpoint 8" in str(err.value)
+    assert "model.image_token_id: config 7, checkpoint 5" in str(err.value)

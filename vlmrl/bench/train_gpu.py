@@ -1,10 +1,21 @@
-"""Training throughput on one GPU: vlmrl's Megatron path against HF transformers + SDPA.
+"""Training throughput on one GPU: vlmrl's Megatron path against HF transformers.
 
-Same dense Qwen2.5 language-model shape (~1.5B parameters), same tokens (one packed
-sequence of `--seq` tokens, `--samples` samples), bf16, one forward + backward with a
-next-token loss over the full vocabulary, after warm-up; median of `--iters` steps.
+Same language-model shape, same tokens (one packed sequence of `--seq` tokens, `--samples`
+samples), bf16, one forward + backward with a next-token loss over the full vocabulary,
+after warm-up; median of `--iters` steps. Two shapes (`--shape`):
+
+- dense (default): Qwen2.5 (~1.5B parameters), against HF + SDPA;
+- qwen35_moe: a scaled Qwen3.5-MoE (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden
+  2048, 64 experts top-8 with FFN 512, shared expert 512, vocab 248320; 2.91B parameters),
+  against HF + flash-linear-attention.
 
     python -m vlmrl.bench.train_gpu --seq 4096 --out bench/results
+    python -m vlmrl.bench.train_gpu --shape qwen35_moe --samples 8 --variants hf_qwen35_moe,vlmrl_qwen35_moe
+
+TFLOP/s count 6 x (matmul parameters a token passes through: active experts only, the LM
+head included, the embedding table excluded) plus causal attention over the full-attention
+layers (6 x layers x heads x head_dim x seq per token); the Gated DeltaNet recurrence and
+the elementwise work are not counted.
 
 Variants (all on the same weights' shapes):
 - hf_sdpa: `Qwen2ForCausalLM`-shaped HF text model (Qwen2.5-VL's language model),
@@ -14,6 +25,9 @@ Variants (all on the same weights' shapes):
 - vlmrl_megatron_fused: the same with `hardware.fused_kernels=true` (the GPU hardware
   configs' setting): Inductor-compiled RMSNorm, M-RoPE and log-softmax
   (`vlmrl.models.kernels`) and megatron-core's compiled SwiGLU.
+- hf_qwen35_moe: transformers' `Qwen3_5MoeForCausalLM` (fla kernels when installed).
+- vlmrl_qwen35_moe: the bridge's Qwen3.5-MoE Megatron model as the GPU hardware configs
+  build it (fused kernels, hardware.gdn_backend=fla after its check, grouped-GEMM experts).
 """
 
 from __future__ import annotations
@@ -45,6 +59,56 @@ def model_config(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab:
         vision=VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=hidden,
                             window_size=56, fullatt_block_indexes=[0]),
     )
+
+
+def qwen35_moe_config(layers: int = 8, hidden: int = 2048, experts: int = 64, topk: int = 8, moe_ffn: int = 512,
+                      shared: int = 512, vocab: int = 248320) -> Any:
+    """The scaled Qwen3.5-MoE shape: the 35B-A3B layer (GDN 16/32 heads of 128, attention 16/2
+    heads of 256, partial rotary 0.25) with fewer layers and experts."""
+    from ..config.schema import LanguageModelConfig, ModelConfig, VisionConfig
+
+    types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+    return ModelConfig(
+        name="bench-qwen35-moe", family="qwen3_5_moe", dtype="bfloat16",
+        lm=LanguageModelConfig(
+            num_layers=layers, hidden_size=hidden, ffn_hidden_size=moe_ffn, num_attention_heads=16,
+            num_query_groups=2, head_dim=256, vocab_size=vocab, max_position_embeddings=32768,
+            rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10], mrope_interleaved=True,
+            tie_word_embeddings=False, add_qkv_bias=False, qk_layernorm=True, attention_output_gate=True,
+            layer_types=types, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=experts, moe_router_topk=topk,
+            moe_ffn_hidden_size=moe_ffn, shared_expert_ffn_hidden_size=shared, shared_expert_gate=True),
+        vision=VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                            out_hidden_size=hidden, window_size=0, fullatt_block_indexes=[],
+                            num_position_embeddings=64),
+        image_token_id=248056, vision_start_token_id=248053, vision_end_token_id=248054,
+    )
+
+
+def active_matmul_params(mcfg: Any) -> int:
+    """Parameters of the matmuls one token passes through (LM head in, embedding out)."""
+    lm = mcfg.lm
+    h = lm.hidden_size
+    types = list(lm.layer_types) or ["full_attention"] * lm.num_layers
+    attn = h * lm.head_dim * (lm.num_attention_heads * (2 if lm.attention_output_gate else 1)
+                              + 2 * lm.num_query_groups) + lm.num_attention_heads * lm.head_dim * h
+    gdn = 0
+    if lm.linear_num_key_heads:
+        kd, vd = lm.linear_num_key_heads * lm.linear_key_head_dim, lm.linear_num_value_heads * lm.linear_value_head_dim
+        gdn = h * (2 * kd + 2 * vd + 2 * lm.linear_num_value_heads) + vd * h
+    if lm.num_experts:
+        mlp = 3 * h * (lm.moe_router_topk * lm.moe_ffn_hidden_size + lm.shared_expert_ffn_hidden_size) \
+            + h * lm.num_experts + h
+    else:
+        mlp = 3 * h * lm.ffn_hidden_size
+    mixers = sum(attn if t == "full_attention" else gdn for t in types)
+    return mixers + lm.num_layers * mlp + lm.vocab_size * h
+
+
+def flops_per_token_of(mcfg: Any, seq: int) -> float:
+    lm = mcfg.lm
+    n_attn = (list(lm.layer_types) or ["full_attention"] * lm.num_layers).count("full_attention")
+    return 6 * active_matmul_params(mcfg) + 6 * n_attn * lm.num_attention_heads * lm.head_dim * seq
 
 
 def params_of(model: Any) -> int:
@@ -138,8 +202,29 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
     return {**r, "params": params_of(model)}
 
 
+def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from ..models.bridge import hf_config
+
+    text = hf_config(mcfg).text_config
+    text._attn_implementation = "sdpa"
+    model = Qwen3_5MoeForCausalLM(text).to(device=DEVICE, dtype=torch.bfloat16 if CUDA else torch.float32).train()
+    x = ids.view(1, -1).to(DEVICE)
+
+    def step() -> None:
+        out = model(input_ids=x, labels=x, use_cache=False)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    r = timed(step, iters, warmup)
+    if PROFILE_TOP:
+        profile(step, "hf_qwen35_moe")
+    return {**r, "params": params_of(model)}
+
+
 def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: int,
-                fused: bool) -> dict[str, Any]:
+                fused: bool, gdn_backend: str = "torch") -> dict[str, Any]:
     from ..config.schema import ParallelConfig
     from ..models.bridge import build_model
     from ..training.batch import TrainSample, build_micro_batch
@@ -148,8 +233,16 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
 
     parallel = ParallelConfig(name="bench")
     init_parallel_state(parallel, backend="nccl" if CUDA else "gloo", seed=0)
-    chunks = build_model(mcfg, parallel, params_dtype=torch.bfloat16 if CUDA else torch.float32, attention_backend="sdpa",
-                         fused_kernels=fused)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    if gdn_backend == "fla":
+        from ..models.gated_delta import check_fast_path
+
+        lm = mcfg.lm
+        worst = check_fast_path(torch.device(DEVICE), dtype, hk=2, hv=2 * lm.linear_num_value_heads // lm.linear_num_key_heads,
+                                dk=lm.linear_key_head_dim, dv=lm.linear_value_head_dim)
+        print(f"fla Gated DeltaNet check vs torch: worst relative difference {worst:.2e}", flush=True)
+    chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend="sdpa",
+                         fused_kernels=fused, gdn_backend=gdn_backend)
     model = chunks[0].train()
     per = ids.numel() // samples
     batch = [TrainSample(input_ids=ids[i * per:(i + 1) * per].tolist(),
@@ -177,6 +270,7 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=("dense", "qwen35_moe"), default="dense")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--samples", type=int, default=1, help="samples packed into the sequence (vlmrl)")
     ap.add_argument("--hidden", type=int, default=1536)
@@ -187,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--variants", default="hf_sdpa,vlmrl_megatron,vlmrl_megatron_fused")
+    ap.add_argument("--variants", default=None,
+                    help="dense: hf_sdpa,vlmrl_megatron,vlmrl_megatron_fused; qwen35_moe: hf_qwen35_moe,vlmrl_qwen35_moe")
+    ap.add_argument("--gdn-backend", default="fla" if CUDA else "torch", choices=("torch", "fla"))
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
@@ -200,30 +296,45 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     torch.manual_seed(0)
-    mcfg = model_config(args.hidden, args.layers, args.heads, args.kv, args.ffn, args.vocab)
+    if args.shape == "qwen35_moe":
+        mcfg = qwen35_moe_config(layers=args.layers if args.layers != 28 else 8, vocab=args.vocab
+                                 if args.vocab != 151936 else 248320)
+        variants = args.variants or "hf_qwen35_moe,vlmrl_qwen35_moe"
+    else:
+        mcfg = model_config(args.hidden, args.layers, args.heads, args.kv, args.ffn, args.vocab)
+        variants = args.variants or "hf_sdpa,vlmrl_megatron,vlmrl_megatron_fused"
     # below the vision special tokens (a random image placeholder would need an image)
-    ids = torch.randint(0, min(args.vocab, mcfg.vision_start_token_id), (args.seq,))
+    ids = torch.randint(0, min(mcfg.lm.vocab_size, mcfg.vision_start_token_id), (args.seq,))
     rows = []
-    for variant in args.variants.split(","):
+    for variant in variants.split(","):
         if CUDA:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if variant == "hf_sdpa":
             r = bench_hf(mcfg, ids, args.iters, args.warmup)
+        elif variant == "hf_qwen35_moe":
+            r = bench_hf_qwen35_moe(mcfg, ids, args.iters, args.warmup)
+        elif variant == "vlmrl_qwen35_moe":
+            r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused=CUDA,
+                            gdn_backend=args.gdn_backend)
         else:
             r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused="fused" in variant)
         med = statistics.median(r["times"])
-        embed = args.vocab * args.hidden
-        fpt = flops_per_token(r["params"] - embed, args.layers, args.hidden, args.seq) + 6 * embed
+        if args.shape == "qwen35_moe":
+            fpt = flops_per_token_of(mcfg, args.seq)
+        else:
+            embed = args.vocab * args.hidden
+            fpt = flops_per_token(r["params"] - embed, args.layers, args.hidden, args.seq) + 6 * embed
         rows.append({"variant": variant, "median_s": med, "host_median_s": statistics.median(r["host_times"]),
                      "tokens_per_s": args.seq / med,
-                     "tflops": fpt * args.seq / med / 1e12, "params": r["params"],
+                     "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
+                     "params": r["params"],
                      "spread_s": [min(r["times"]), max(r["times"])],
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
               f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms) "
               f"peak {rows[-1]['peak_memory_gib'] or 0:.1f} GiB", flush=True)
-    base = next((r for r in rows if r["variant"] == "hf_sdpa"), None)
+    base = next((r for r in rows if r["variant"].startswith("hf_")), None)
     for r in rows:
         r["vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
     result = {
@@ -234,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_gpu.json").write_text(json.dumps(result, indent=2))
+    (out / f"train_gpu_{args.shape}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({r["variant"]: round(r["vs_hf"] or 0, 3) for r in rows}))
     return 0
 

@@ -194,6 +194,47 @@ def model_config_from_hf(hf: Any, *, name: str = "hf") -> ModelConfig:
     return families.get(families.family_of_hf(hf)).model_config_from_hf(hf, name)
 
 
+# architecture fields a config must share with the checkpoint it loads (vision: the tower's shape)
+_VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
+                "spatial_merge_size", "in_channels", "out_hidden_size", "window_size", "fullatt_block_indexes",
+                "num_position_embeddings")
+
+
+def checkpoint_mismatches(model: ModelConfig, hf: Any) -> list[str]:
+    """The config keys of `model` that disagree with the checkpoint's HF config, each as
+    "model.<key>: config X, checkpoint Y" (empty when they agree)."""
+    ckpt = model_config_from_hf(hf, name=model.name)
+    out = []
+    if ckpt.family != model.family:
+        out.append(f"model.family: config {model.family}, checkpoint {ckpt.family}")
+    for f in dataclasses.fields(model.lm):
+        if f.name == "max_position_embeddings":
+            continue
+        a, b = getattr(model.lm, f.name), getattr(ckpt.lm, f.name)
+        if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
+            out.append(f"model.lm.{f.name}: config {a}, checkpoint {b}")
+    for key in _VISION_KEYS:
+        a, b = getattr(model.vision, key), getattr(ckpt.vision, key)
+        if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
+            out.append(f"model.vision.{key}: config {a}, checkpoint {b}")
+    for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        if getattr(model, key) != getattr(ckpt, key):
+            out.append(f"model.{key}: config {getattr(model, key)}, checkpoint {getattr(ckpt, key)}")
+    return out
+
+
+def check_checkpoint(model: ModelConfig, path: str) -> None:
+    """Raise ValueError naming every key where `model` and the checkpoint at `path` (a local
+    directory or a hub id) disagree: the Megatron model is built from the config and the
+    weights come from the checkpoint, so they must describe the same architecture."""
+    from transformers import AutoConfig
+
+    bad = checkpoint_mismatches(model, AutoConfig.from_pretrained(path))
+    if bad:
+        raise ValueError(f"model={model.name} does not describe the checkpoint {path}; fix these overrides "
+                         "(or pick the model option of this checkpoint):\n  " + "\n  ".join(bad))
+
+
 def hf_model_class(model: ModelConfig) -> type:
     """The transformers *ForConditionalGeneration class of `model`'s family."""
     return families.get(model.family).hf_model_class(model)

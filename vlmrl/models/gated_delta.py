@@ -225,12 +225,10 @@ def fla_causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor) -> Tensor:
 
 
 def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]."""
+    """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]
+    (value heads grouped over key heads natively: fla's GVA)."""
     _, fla_rule = _fla()
-    hk, hv = k.shape[1], v.shape[1]
-    if hv != hk:
-        q = q.repeat_interleave(hv // hk, dim=1)
-        k = k.repeat_interleave(hv // hk, dim=1)
+    q, k, v = (t.contiguous() for t in (q, k, v))
     o, _ = fla_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=None,
                     output_final_state=False, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
@@ -238,7 +236,7 @@ def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 
 
 def cu_seqlens_of(bounds: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
-    return torch.tensor([0] + [b for _, b in bounds], dtype=torch.int32, device=device)
+    return torch.tensor([0] + [b for _, b in bounds], dtype=torch.long, device=device)
 
 
 _CHECKED: dict[tuple, float] = {}
@@ -252,9 +250,10 @@ FAST_PATH_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 
 def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv: int = 4, dk: int = 64,
                     dv: int = 64, conv_k: int = 4, lens: Sequence[int] = (37, 130, 91), seed: int = 0) -> float:
-    """Compare fla's conv + recurrence, forward and backward, with the torch path on a small
-    packed input; raise FastPathError naming what disagrees. Returns the worst relative
-    difference. Run once per process and shape signature (cached)."""
+    """Compare fla's conv + recurrence in `dtype`, forward and backward, with the torch path in
+    float32 on the same inputs (the same `dtype` values, upcast) on a small packed input; raise
+    FastPathError naming what disagrees. Returns the worst relative difference (to the largest
+    reference magnitude). Run once per process and shape signature (cached)."""
     key = (str(device), dtype, hk, hv, dk, dv, conv_k)
     if key in _CHECKED:
         return _CHECKED[key]
@@ -279,7 +278,7 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
     grad_out = rnd(total, hv, dv)
 
     def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, a, b)]
+        leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
         mixed = fla_causal_conv1d(xx, ww, cu) if fast else causal_conv1d(xx, ww, bounds)
         qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)

@@ -110,6 +110,22 @@ def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int
     return ParityBatch(samples, pixel_values, grid, targets, seed)
 
 
+def use_transformers_torch_paths() -> None:
+    """Make transformers' Qwen3.5 models run their own torch Gated DeltaNet and convolution,
+    also where flash-linear-attention is installed (transformers binds fla's kernels at import
+    when it finds them): the reference is transformers' implementation, not a kernel library's."""
+    import importlib
+    import inspect
+
+    for name in ("qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                   "causal_conv1d_update"):
+            f = getattr(module, fn, None)
+            if f is not None:
+                setattr(module, fn, inspect.unwrap(f))
+
+
 def make_hf_model(model: ModelConfig, *, seed: int = 0, weights: str | None = None) -> Any:
     """An HF model of `model`'s architecture (random weights, or those of the checkpoint
     directory `weights`), fp32, eval mode, SDPA, every 1-D parameter perturbed."""
@@ -117,6 +133,7 @@ def make_hf_model(model: ModelConfig, *, seed: int = 0, weights: str | None = No
 
     from .bridge import hf_config, hf_model_class
 
+    use_transformers_torch_paths()
     torch.manual_seed(seed)
     cls = hf_model_class(model)
     if weights:

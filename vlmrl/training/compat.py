@@ -195,9 +195,19 @@ def _host_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool =
     return tensor
 
 
+def _without_transformer_engine() -> None:
+    """On every device: the MoE router names te_general_gemm unconditionally; without
+    TransformerEngine the name is undefined (0.16). None selects its plain torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def apply() -> None:
-    """Install the CPU shims (idempotent; a no-op when CUDA is available)."""
+    """Install the CPU shims (idempotent; on CUDA only the TransformerEngine-absence fix)."""
     global _APPLIED
+    _without_transformer_engine()
     if _APPLIED or cuda_available():
         return
     # 1. `torch.empty(..., device=torch.cuda.current_device())` and friends allocate on CPU.
@@ -225,12 +235,7 @@ def apply() -> None:
         setup_embeddings_and_output_layer._vlmrl_cpu = True  # type: ignore[attr-defined]
         language_module.LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
-    # 4. The MoE router names te_general_gemm unconditionally; without TransformerEngine the
-    #    name is undefined (0.16). None selects its plain torch.mm path.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    # 4. (the MoE router without TransformerEngine: `_without_transformer_engine`, every device)
 
     # 5. Literal device="cuda" allocations (optimizer scales, grad-norm buffers, the
     #    schedules' token counters) land on the CPU.

@@ -1,0 +1,76 @@
+"""Qwen3.5 on a GPU: the fast paths against the torch paths, and the model against HF.
+
+bf16 tolerances (relative to the largest reference magnitude): bf16 keeps 8 significant
+bits (a relative step of 2^-8 = 3.9e-3). The Gated DeltaNet kernels round their inputs,
+chunk states and outputs to bf16 several times per chunk, and the torch path rounds
+differently, so their outputs and gradients differ by a few such steps: 2e-2 admits that
+and still fails a wrong kernel (O(1) errors, as the known-bad Triton backward on Hopper
+gives). The grouped expert GEMMs accumulate in fp32 and round once per projection, like the
+per-expert loop: 1e-2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def test_fla_gated_delta_matches_torch_at_the_recipe_head_sizes():
+    """16 key / 32 value heads of 128 (Qwen3.5-35B-A3B), packed samples longer and shorter
+    than a chunk, forward and backward in bf16 (`check_fast_path` raises on a mismatch)."""
+    pytest.importorskip("fla")
+    from vlmrl.models import gated_delta as gd
+
+    worst = gd.check_fast_path(torch.device("cuda"), torch.bfloat16, hk=16, hv=32, dk=128, dv=128,
+                               lens=(700, 1300, 96, 2000))
+    print(f"fla vs torch Gated DeltaNet, bf16: worst relative difference {worst:.2e}")
+    assert worst <= gd.FAST_PATH_TOL[torch.bfloat16]
+
+
+def test_grouped_experts_match_the_loop_in_bf16():
+    from vlmrl.models.moe import expert_mlp
+
+    torch.manual_seed(0)
+    experts, hidden, ffn, tokens = 64, 2048, 512, 4096 * 8
+    counts = torch.multinomial(torch.ones(experts), tokens, replacement=True).bincount(minlength=experts)
+    counts[3] = 0  # an expert without tokens
+    counts[4] += tokens - int(counts.sum())
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    gate_up = (torch.randn(experts, 2 * ffn, hidden, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(experts, hidden, ffn, device="cuda") * 0.02).bfloat16()
+    probs = torch.rand(tokens, device="cuda")
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for grouped in (True, False):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down)]
+        out = expert_mlp(leaves[0], counts.tolist(), leaves[1], leaves[2], probs, grouped=grouped)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("output", "grad x", "grad gate_up", "grad down"), *results):
+        assert _rel(a, b) <= 1e-2, (name, _rel(a, b))
+
+
+def test_cuda_qwen35_moe_matches_hf(tiny_config):
+    """The tiny Qwen3.5-MoE on one GPU (NCCL, fp32, TF32 off, torch GDN path) within the CPU
+    suite's parity bounds of HF transformers, and a packed sample equal to it alone."""
+    from vlmrl.config import load
+    from vlmrl.models import parity
+    from vlmrl.training.parallel_state import spawn_local
+
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    res = spawn_local(parity.worker, 1, model, [parity.single_layout(1)], 0, True, False, None, "torch",
+                      backend="nccl", timeout_s=400)[0]
+    checks = parity.compare(res)
+    print(parity.format_table(checks))
+    assert all(c.ok for c in checks), parity.format_table(checks)
