@@ -93,70 +93,80 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _to_segments(x: Tensor, bounds: Sequence[tuple[int, int]], length: int) -> Tensor:
-    """[T, ...] -> [n_segments, length, ...], zero padded at the end of each segment."""
-    out = x.new_zeros((len(bounds), length, *x.shape[1:]))
+def _segment_index(bounds: Sequence[tuple[int, int]], length: int, total: int,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """Index maps between packed tokens [T] and zero-padded segments [n, length]:
+    `gather` [n * length] gives, per padded slot, its token (or `total`, a zero row) and
+    `scatter` [T] gives, per token, its padded slot."""
+    gather = torch.full((len(bounds), length), total, dtype=torch.long)
+    scatter = torch.empty(total, dtype=torch.long)
     for i, (a, b) in enumerate(bounds):
-        out[i, : b - a] = x[a:b]
-    return out
+        gather[i, : b - a] = torch.arange(a, b)
+        scatter[a:b] = torch.arange(i * length, i * length + b - a)
+    return gather.view(-1).to(device), scatter.to(device)
 
 
-def _from_segments(y: Tensor, bounds: Sequence[tuple[int, int]]) -> Tensor:
-    return torch.cat([y[i, : b - a] for i, (a, b) in enumerate(bounds)])
+def _to_segments(x: Tensor, gather: Tensor, n: int, length: int) -> Tensor:
+    """[T, ...] -> [n, length, ...], zero padded at the end of each segment (one gather)."""
+    padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+    return padded.index_select(0, gather).view(n, length, *x.shape[1:])
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           bounds: Sequence[tuple[int, int]], *, chunk: int = CHUNK) -> Tensor:
+                           bounds: Sequence[tuple[int, int]], *, chunk: int | None = None) -> Tensor:
     """The gated delta rule over packed segments, chunked, in float32.
 
     q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk: value head j reads key head
     j // (Hv / Hk)); g, beta [T, Hv]. q and k are l2-normalised here and q is scaled by
-    dk^-0.5. Returns o [T, Hv, dv] in v's dtype.
+    dk^-0.5. Returns o [T, Hv, dv] in v's dtype. `chunk`: tokens per chunk; None picks
+    16..64 from the longest segment (any size gives the same result up to rounding).
     """
     out_dtype = v.dtype
-    hk, hv = k.shape[1], v.shape[1]
+    t_len, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
     if hv % hk:
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
-    if hv != hk:
-        q = q.repeat_interleave(hv // hk, dim=1)
-        k = k.repeat_interleave(hv // hk, dim=1)
+    r = hv // hk
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    q = l2norm(q) * q.shape[-1] ** -0.5
+    q = l2norm(q) * dk ** -0.5
     k = l2norm(k)
     longest = max(b - a for a, b in bounds)
+    if chunk is None:  # short samples: small chunks (less padding, smaller C x C systems)
+        chunk = min(CHUNK, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
     length = -(-longest // chunk) * chunk
-    # [B, L, H, d] -> [B, H, n, C, d]
-    def seg(x: Tensor) -> Tensor:
-        y = _to_segments(x, bounds, length)
-        y = y.transpose(1, 2) if y.dim() == 4 else y.transpose(1, 2).unsqueeze(-1)
-        return y.reshape(y.shape[0], y.shape[1], length // chunk, chunk, y.shape[-1])
+    n_seg, n_chunks = len(bounds), length // chunk
+    gather, scatter = _segment_index(bounds, length, t_len, q.device)
 
-    qs, ks, vs = seg(q), seg(k), seg(v)
-    gs, bs = seg(g).squeeze(-1), seg(beta).squeeze(-1)  # [B, H, n, C]
+    # [T, heads, d] -> [B, Hk, heads per key head, n, C, d]: value heads grouped under their key head
+    def seg(x: Tensor, heads_per_key: int) -> Tensor:
+        y = _to_segments(x.reshape(t_len, hk, heads_per_key, -1), gather, n_seg, length)
+        return y.permute(0, 2, 3, 1, 4).reshape(n_seg, hk, heads_per_key, n_chunks, chunk, y.shape[-1])
+
+    qs, ks = seg(q, 1), seg(k, 1)
+    vs = seg(v, r)
+    gs, bs = seg(g, r).squeeze(-1), seg(beta, r).squeeze(-1)  # [B, Hk, r, n, C]
     gamma = gs.cumsum(-1)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     diff = gamma.unsqueeze(-1) - gamma.unsqueeze(-2)  # [.., i, j] = gamma_i - gamma_j
-    decay = diff.masked_fill(~lower, float("-inf")).exp()  # M (j <= i)
-    kb = ks * bs.unsqueeze(-1)
-    a = (kb @ ks.transpose(-1, -2)) * decay
-    system = a.masked_fill(~lower, 0.0)  # unit diagonal: beta_j k_j.k_j exp(0) replaced below
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system = system * (1 - eye) + eye
-    u_base = torch.linalg.solve_triangular(system, vs * bs.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * gamma.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    decay = diff.masked_fill(~lower, float("-inf")).exp()  # M (j <= i), 0 above the diagonal
+    # A_jl = beta_j exp(gamma_j - gamma_l) k_j.k_l; the solve reads its strict lower triangle
+    # only (unit diagonal), so the diagonal and the zeros above it need no masking
+    system = (ks @ ks.transpose(-1, -2)) * decay * bs.unsqueeze(-1)
+    rhs = torch.cat([vs * bs.unsqueeze(-1), ks * (bs * gamma.exp()).unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_base, w = solved.split([dv, dk], dim=-1)
     attn = (qs @ ks.transpose(-1, -2)) * decay
     q_decayed = qs * gamma.exp().unsqueeze(-1)
     k_tail = ks * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
-    chunk_decay = gamma[..., -1].exp()  # [B, H, n]
-    b_, h_, n_ = qs.shape[:3]
-    state = q.new_zeros(b_, h_, qs.shape[-1], vs.shape[-1])
+    chunk_decay = gamma[..., -1].exp()  # [B, Hk, r, n]
+    state = q.new_zeros(n_seg, hk, r, dk, dv)
     outs = []
-    for i in range(n_):
-        u = u_base[:, :, i] - w[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ u)
-        state = state * chunk_decay[:, :, i, None, None] + k_tail[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).reshape(b_, h_, length, -1).transpose(1, 2)  # [B, L, H, dv]
-    return _from_segments(o, bounds).to(out_dtype)
+    for i in range(n_chunks):
+        u = u_base[..., i, :, :] - w[..., i, :, :] @ state
+        outs.append(q_decayed[..., i, :, :] @ state + attn[..., i, :, :] @ u)
+        state = state * chunk_decay[..., i, None, None] + k_tail[..., i, :, :].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=3).reshape(n_seg, hk * r, length, dv).transpose(1, 2)  # [B, L, Hv, dv]
+    return o.reshape(n_seg * length, hv, dv).index_select(0, scatter).to(out_dtype)
 
 
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
