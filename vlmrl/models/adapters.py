@@ -410,6 +410,7 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
     for n, t in stage_entries():
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
+        t = _compact(t)
         bucket.append((n, t))
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:
@@ -417,6 +418,15 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def _compact(t: Tensor) -> Tensor:
+    """`t` in storage of its own size: a view into a larger tensor (an expert of the fused
+    experts, q of the fused qkv) is copied, so that sending or pickling it moves its own
+    bytes, not its base's."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 def export_hf_state_dict(chunks: Sequence[Any], model: ModelConfig, *, grads: bool = False,
