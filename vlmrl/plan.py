@@ -89,6 +89,11 @@ def render_plan(cfg: VlmrlConfig) -> str:
     console.print(mt)
     console.print(f"  activations for {mem.tokens_per_micro_batch} tokens per micro-batch"
                   + (", split over cp" if p.cp > 1 else ""))
+    if p.tp > lm.num_query_groups:
+        console.print(f"  attention: tp {p.tp} > {lm.num_query_groups} KV groups: each rank holds 1/{p.tp} of the fused "
+                      f"QKV weights and all-gathers their projections, then keeps its KV group "
+                      f"({p.tp // lm.num_query_groups} ranks per group) and its {lm.num_attention_heads // p.tp} "
+                      f"query heads: {_gib(mem.qkv_gather)} of gathered projections in the activations")
     if total_dev and cfg.cluster.colocate and mem.rollout_pool:
         console.print("  colocated: engines release their pool while the trainer runs and resume it "
                       "after the weight sync; the two phases do not overlap")

@@ -115,3 +115,26 @@ def test_parity_cli_on_a_tiny_checkpoint(cache_dir):
     assert "FAIL" not in out.stdout and out.stdout.count("PASS") >= 7, out.stdout
     refused = _cli(f"model.path={path}", "parallel.tp=2")
     assert refused.returncode == 2 and "moe-tp-sp" in refused.stderr, refused.stderr
+
+
+# --------------------------------------------------------------------------- TP wider than the KV groups
+TP4 = {"moe": ("tiny_qwen3_5_moe", {"tp4+sp": ParallelConfig(tp=4, sequence_parallel=True),
+                                    "tp4+ep2+sp": ParallelConfig(tp=4, ep=2, sequence_parallel=True)}),
+       "dense": ("tiny_qwen3_5", {"tp4": ParallelConfig(tp=4), "tp4+sp": ParallelConfig(tp=4, sequence_parallel=True)})}
+
+
+@pytest.mark.parametrize("which", list(TP4))
+def test_tp_wider_than_the_kv_groups(which):
+    """TP4 over 2 KV groups (each rank: 1/4 of the fused QKV + gate rows, its group's K/V,
+    1 of 4 query heads; Gated DeltaNet 1 of 4 key heads) on 4 CPU processes: logits and
+    gradients equal one process', and the weights round-trip bitwise."""
+    option, layouts = TP4[which]
+    model = load([f"model={option}"], check_rules=False).model
+    assert model.lm.num_query_groups < 4
+    res = run_in_processes(parity.worker, 4, model, [parity.single_layout(4), *layouts.values()], 0, False,
+                           timeout_s=600)[0]
+    for layout in layouts.values():
+        r = res[parity.layout_name(layout)]
+        assert parity.max_abs_diff(r.logits, res["single"].logits) <= parity.LOGITS_VS_SINGLE
+        assert parity.max_abs_diff(r.grads, res["single"].grads) <= parity.GRADS_VS_SINGLE
+        assert r.roundtrip == 0.0

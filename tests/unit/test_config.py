@@ -115,7 +115,10 @@ def test_dataset_name_env_override(monkeypatch):
 
 INVALID = [
     ([*REFERENCE, "parallel.tp=3"], "world-size", "tp*pp*cp"),
-    ([*REFERENCE, "parallel.tp=4", "model.lm.num_query_groups=2"], "tp-kv-groups", "num_query_groups=2"),
+    ([*REFERENCE, "model.lm.num_attention_heads=12", "model.lm.num_query_groups=3"], "tp-kv-groups",
+     "num_query_groups=3"),
+    ([*REFERENCE, "parallel.tp=4", "model.lm.num_attention_heads=12", "model.lm.num_query_groups=3"],
+     "tp-kv-groups", "multiple of them"),
     ([*GPU_DENSE, "parallel.tp=8", "model.lm.num_attention_heads=12", "model.lm.num_query_groups=8"],
      "tp-heads", "num_attention_heads=12"),
     ([*REFERENCE, "parallel.ep=3"], "ep-experts", "num_experts=256"),
@@ -168,6 +171,18 @@ def test_invalid_configs_are_rejected_by_rule(overrides, rule, text):
     assert rule in err.value.rules, str(err.value)
     msgs = [str(v) for v in err.value.violations if v.rule == rule]
     assert any(text in m for m in msgs), msgs
+
+
+def test_tp_wider_than_the_kv_groups_is_valid():
+    """The reference model has 2 KV groups: TP4 and TP8 are valid (each rank keeps its group's
+    K/V), and the plan shows the gathered projections."""
+    from vlmrl.plan import render_plan
+
+    for tp in (4, 8):
+        cfg = load([*REFERENCE, f"parallel.tp={tp}", "hardware=b200"])
+        assert cfg.parallel.tp == tp and cfg.model.lm.num_query_groups == 2
+        text = render_plan(cfg)
+        assert f"tp {tp} > 2 KV groups" in text and f"{16 // tp} query heads" in text
 
 
 def test_all_violations_reported_together():

@@ -127,6 +127,9 @@ class MemoryEstimate:
     activations: float
     tokens_per_micro_batch: int
     rollout_pool: float  # SGLang's static pool (weights + KV cache) while generating
+    # tp wider than the KV groups: the gathered fused QKV projections of the attention layers
+    # held for backward (included in `activations`); 0 otherwise
+    qkv_gather: float = 0.0
 
     @property
     def train_total(self) -> float:
@@ -183,7 +186,16 @@ def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
     activations *= p.pp  # 1F1B: stage 0 holds up to pp micro-batches in flight
     logits = 2 * tokens_cp * lm.vocab_size / p.tp * 4  # fp32 logits and their gradient
     activations += logits
+    qkv_gather = 0.0
+    if p.tp > lm.num_query_groups:
+        rows = (lm.num_attention_heads * (2 if lm.attention_output_gate else 1) + 2 * lm.num_query_groups) * lm.head_dim
+        types = list(lm.layer_types) or ["full_attention"] * lm.num_layers
+        attn_layers = types.count("full_attention") / p.pp
+        held = 1 if p.recompute_granularity == "full" else attn_layers
+        # the whole sequence (sequence parallel gathers it first), all heads' rows
+        qkv_gather = held * tokens_cp * rows * act_bytes * p.pp
+        activations += qkv_gather
 
     gpu = cfg.hardware.gpu_memory_gb * GIB
     pool = cfg.rollout.sglang.mem_fraction_static * gpu if cfg.rollout.name == "sglang" else 0.0
-    return MemoryEstimate(params, grads, optimizer, activations, int(tokens), pool)
+    return MemoryEstimate(params, grads, optimizer, activations, int(tokens), pool, qkv_gather)

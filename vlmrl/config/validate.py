@@ -212,10 +212,17 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if lm.num_attention_heads % p.tp:
         fail("tp-heads", f"parallel.tp={p.tp} does not divide model.lm.num_attention_heads="
              f"{lm.num_attention_heads}")
-    if lm.num_query_groups % p.tp:
-        fail("tp-kv-groups", f"parallel.tp={p.tp} does not divide model.lm.num_query_groups="
-             f"{lm.num_query_groups}: Megatron gives each TP rank whole KV groups, so tp must divide "
-             f"them (scale out with dp, cp or ep instead)")
+    g = lm.num_query_groups
+    if p.tp <= g and g % p.tp:
+        fail("tp-kv-groups", f"parallel.tp={p.tp} does not divide model.lm.num_query_groups={g}: "
+             f"up to {g}, tp must divide the KV groups")
+    if p.tp > g:
+        # Megatron's scheme for tp wider than the KV groups: each rank holds 1/tp of the fused
+        # QKV rows, all-gathers the projections and keeps its group's K/V and its queries
+        rows = (lm.num_attention_heads * (2 if lm.attention_output_gate else 1) + 2 * g) * lm.head_dim
+        if p.tp % g or rows % p.tp:
+            fail("tp-kv-groups", f"parallel.tp={p.tp} is wider than model.lm.num_query_groups={g}: it must be a "
+                 f"multiple of them ({p.tp} % {g}) and divide the fused QKV rows ({rows})")
     if is_gdn_model(cfg):
         for key in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(lm, key) % p.tp:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -267,3 +268,30 @@ def _plain_layout(p: PackedSeqParams) -> dict[str, Any]:
     whole = [int(x) for x in cu.tolist()]
     lens = [b - a for a, b in zip(whole[:-1], whole[1:])]
     return {"whole_offsets": whole, "lens": lens, "local_offsets": whole}
+
+
+
+class GroupedSelfAttention(SelfAttention):
+    """megatron-core's SelfAttention, with the output gate cut like the queries when tensor
+    parallelism is wider than the KV groups.
+
+    With tp > num_query_groups, megatron-core 0.16 gives each rank 1/tp of the fused
+    [queries, gates, k, v] rows, all-gathers the projections, and keeps its group's K/V and
+    its share of the group's query heads, but leaves the gate heads of the whole group: the
+    output gate would not match the rank's attention output. The gate heads are cut the same
+    way as the query heads; with tp <= num_query_groups nothing changes."""
+
+    def get_query_key_value_tensors(self, hidden_states: Tensor, key_value_states: Tensor | None = None,
+                                    output_gate: bool = False, split_qkv: bool = True) -> Any:
+        out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
+                                                  split_qkv=split_qkv)
+        groups = self.config.num_query_groups
+        if not (output_gate and split_qkv and groups < self.world_size):
+            return out
+        query, key, value, gate = out
+        if gate.shape[2] != query.shape[2]:
+            ranks_per_group = self.world_size // groups
+            idx = dist.get_rank(self.pg_collection.tp) % ranks_per_group
+            size = gate.shape[2] // ranks_per_group
+            gate = gate[:, :, idx * size:(idx + 1) * size]
+        return query, key, value, gate

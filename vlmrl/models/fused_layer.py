@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
-from .attention import PackedSelfAttentionCore, VLPackedSeqParams
+from .attention import GroupedSelfAttention, PackedSelfAttentionCore, VLPackedSeqParams
 from .kernels import fused
 from .mrope import rope_qk
 from .norm import RMSNorm, rms_norm
@@ -85,7 +85,8 @@ class FusedTransformerLayer(TransformerLayer):
             and not getattr(self, "recompute_input_layernorm", False)
             and not getattr(self, "recompute_pre_mlp_layernorm", False)
             and not getattr(self, "offload_attn_norm", False) and not getattr(self, "offload_mlp_norm", False)
-            and type(attn) is SelfAttention and isinstance(attn.core_attention, PackedSelfAttentionCore)
+            and type(attn) in (SelfAttention, GroupedSelfAttention)
+            and isinstance(attn.core_attention, PackedSelfAttentionCore)
             and type(mlp) is MLP
             and isinstance(self.input_layernorm, RMSNorm) and isinstance(self.pre_mlp_layernorm, RMSNorm)
         )

@@ -4,7 +4,8 @@ Each function returns the spec of one part; `vlmrl.models.families.*` put them t
 per layer type (`layer_spec`), and `vlmrl.models.bridge` builds the stage's block from the
 per-layer list. Parts:
 
-- `attention`: Megatron's SelfAttention with the packed (THD) core attention of
+- `attention`: Megatron's SelfAttention (`GroupedSelfAttention`: its output gate cut like
+  the queries when TP is wider than the KV groups) with the packed (THD) core attention of
   `vlmrl.models.attention` (M-RoPE from the packed positions), q/k norms when the model has
   them; the output gate is Megatron's `attention_output_gate` (a TransformerConfig flag);
 - `gdn`: the Gated DeltaNet mixer (`vlmrl.models.gdn`);
@@ -31,19 +32,19 @@ def norm(fused: bool = False) -> Any:
 
 def attention(model: ModelConfig, *, backend: str = "sdpa", fused: bool = False) -> Any:
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .attention import PackedSelfAttentionCore
+    from .attention import GroupedSelfAttention, PackedSelfAttentionCore
 
     local = LocalSpecProvider()
     if backend == "local":
         backend = "eager"  # stock local attention cannot do packed sequences
     qk = norm(fused) if model.lm.qk_layernorm else IdentityOp
     return ModuleSpec(
-        module=SelfAttention,
+        module=GroupedSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=local.column_parallel_linear(),
