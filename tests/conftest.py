@@ -51,3 +51,28 @@ def tiny_checkpoint(tiny_config) -> str:
 
     d = tiny_config.data
     return ensure_tiny_checkpoint(tiny_config.model, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_config(cache_dir):
+    """The default config with the tiny Qwen3.5-MoE (Gated DeltaNet + gated attention + MoE)."""
+    from vlmrl.config import load
+
+    return load([f"model.cache_dir={cache_dir}", "model=tiny_qwen3_5_moe"])
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tiny_moe_config) -> str:
+    """Path of the tiny Qwen3.5-MoE HF checkpoint directory."""
+    from vlmrl.models.tiny import ensure_tiny_checkpoint
+
+    d = tiny_moe_config.data
+    return ensure_tiny_checkpoint(tiny_moe_config.model, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+
+
+@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_5_moe"])
+def family_checkpoint(request):
+    """(config, checkpoint path) of each family's tiny model: tests that take it run for both."""
+    if request.param == "qwen2_5_vl":
+        return request.getfixturevalue("tiny_config"), request.getfixturevalue("tiny_checkpoint")
+    return request.getfixturevalue("tiny_moe_config"), request.getfixturevalue("tiny_moe_checkpoint")

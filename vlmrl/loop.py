@@ -42,6 +42,17 @@ def model_path(cfg: VlmrlConfig) -> str:
     return ensure_tiny_checkpoint(cfg.model, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
+def observed(train_metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The MoE routing metrics of a step's optimizer steps (means) and the forward time per
+    mixer kind (sums), as the trainer's StepObserver reports them."""
+    out: dict[str, float] = {}
+    keys = {k for m in train_metrics for k in m if k.startswith(("moe/", "perf/fwd_"))}
+    for key in sorted(keys):
+        values = [m[key] for m in train_metrics if key in m]
+        out[key] = sum(values) if key.startswith("perf/") else sum(values) / len(values)
+    return out
+
+
 def dataset_name(cfg: VlmrlConfig) -> str:
     return cfg.data.name
 
@@ -57,6 +68,7 @@ def verifier_params(reward: Any) -> dict[str, Any]:
     from .config.schema import RewardConfig
 
     params = dataclasses.asdict(reward)
+    params.pop("eval_target")  # a loop setting, not a verifier parameter
     module, _, name = reward._target_.rpartition(".")
     accepted = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
     defaults = RewardConfig()
@@ -164,6 +176,10 @@ class Loop:
         self.test_data = PromptDataset(d, d.test_split, self.processor)
         self.pool = RewardPool(build_verifier(verifier_params(cfg.reward)), num_workers=cfg.reward.num_workers,
                                timeout_s=cfg.reward.timeout_s)
+        # evaluations score correctness: the training reward's verifier, or the one named
+        self.eval_pool = self.pool if not cfg.reward.eval_target else RewardPool(
+            build_verifier({"_target_": cfg.reward.eval_target, "name": "eval"}), num_workers=0,
+            timeout_s=cfg.reward.timeout_s)
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:
@@ -265,7 +281,8 @@ class Loop:
             prompts = prompts[: self.cfg.rollout.eval.max_prompts]
         batch = self.evaluator.run([rollout_prompt(p) for p in prompts], step=self.state.step, description="eval")
         answers = {p.index: p.answer for p in prompts}
-        rewards = self.pool.score([r.text for r in batch.records], [answers[r.prompt_index] for r in batch.records])
+        rewards = self.eval_pool.score([r.text for r in batch.records],
+                                       [answers[r.prompt_index] for r in batch.records])
         n = max(len(rewards), 1)
         acc = sum(1.0 for r in rewards if r >= 1.0) / n
         name = dataset_name(self.cfg)
@@ -282,12 +299,14 @@ class Loop:
             self.state.sft_steps_done += 1
             dt = time.perf_counter() - t0
             self.state.train_seconds += dt
-            row = {"sft/loss": m["loss"], mk.TRAIN_GRAD_NORM: m["grad_norm"], mk.PERF_TRAIN_TIME: dt}
+            row = {"sft/loss": m["loss"], mk.TRAIN_GRAD_NORM: m["grad_norm"], mk.PERF_TRAIN_TIME: dt,
+                   **observed([m])}
             done = self.state.sft_steps_done
             if self.cfg.eval_interval and done % self.cfg.eval_interval == 0 and done < steps:
                 self._sync_weights(f"sft-{done}")
                 row.update(self.evaluate())
             self.logger.log(done, row, refresh_plots=mk.eval_key(dataset_name(self.cfg)) in row)
+            self.progress.print_sft_step(done, steps, row)
 
     def _rollout(self, step: int) -> tuple[list[Any], Any, float]:
         """Sample the step's prompts and generate their groups (a worker thread runs this
@@ -358,6 +377,7 @@ class Loop:
                     "train_rollout_logprob_abs_diff"):
             if key in last:
                 metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
+        metrics.update(observed(train_metrics))
         tokens = sum(s.num_tokens for s in samples)
         step_time = time.perf_counter() - t_step
         devices = max(cfg.cluster.num_gpus, cfg.cluster.num_cpu_ranks, 1)
@@ -380,8 +400,10 @@ class Loop:
         from .cluster.trainer_group import TrainerGroup
         from .config.layout import compute_layout
         from .logging import MetricsLogger
+        from .logging.console import library_log, quiet_libraries
 
         cfg = self.cfg
+        quiet_libraries(library_log(self.run_dir))  # notices to the run dir's log, not the screen
         self._setup()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         total = cfg.num_steps + cfg.algo.sft_steps

@@ -1,5 +1,5 @@
-"""The embedded engine: logprobs equal a teacher-forced HF forward, batch invariance,
-seeded sampling, stop conditions, the Ray actor wrapper."""
+"""The embedded engine, for each family: logprobs equal a teacher-forced HF forward, batch
+invariance, seeded sampling, stop conditions, the Ray actor wrapper."""
 
 from __future__ import annotations
 
@@ -32,9 +32,12 @@ def _prompt(engine: EmbeddedEngine, text: str, n_images: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint, tiny_config) -> EmbeddedEngine:
-    d = tiny_config.data
-    return EmbeddedEngine(tiny_checkpoint, min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_batch_size=16)
+def engine(family_checkpoint) -> EmbeddedEngine:
+    """One engine per family: Qwen2.5-VL (KV cache) and Qwen3.5-MoE (hybrid cache: Gated
+    DeltaNet convolution and recurrent states beside attention KV)."""
+    cfg, path = family_checkpoint
+    d = cfg.data
+    return EmbeddedEngine(path, min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_batch_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -186,18 +189,24 @@ def test_async_calls_are_coalesced_and_equal_sync(engine, images):
         assert o[0].output_ids == ref[i % len(reqs)].output_ids
 
 
-def test_weight_update_release_resume(engine, images, tiny_checkpoint):
-    from vlmrl.models.names import to_checkpoint_name
+def test_weight_update_release_resume(engine, images):
+    """Updates come by checkpoint name (Qwen3.5-MoE: one tensor per routed expert, written into
+    transformers' fused expert parameters)."""
+    from vlmrl.models import families
+    from vlmrl.models.names import to_checkpoint
 
+    family = families.family_of_hf(engine.model.config)
     req = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=6))[0]
     before = engine.generate_sync([req])[0]
     sd = engine.model.state_dict()
-    originals = [(to_checkpoint_name(k), v.clone()) for k, v in sd.items()]
+    originals = [(n, v.clone()) for n, v in to_checkpoint(sd, family).items()]
+    if family == "qwen3_5_moe":
+        assert any(".mlp.experts.3.up_proj.weight" in n for n, _ in originals)
     try:
         asyncio.run(engine.release_memory_occupation())
         assert not asyncio.run(engine.health())
         assert isinstance(engine.generate_sync([req])[0], Exception)
-        changed = [(n, v * 1.5) for n, v in originals if n.startswith("model.layers.")]
+        changed = [(n, v * 1.5) for n, v in originals if ".layers." in n]
         with pytest.raises(EngineError, match="resume"):  # weights released: no update
             asyncio.run(engine.update_weights_from_tensor(changed, weight_version="v1"))
         # the colocated order: weights back, update, then the KV cache
@@ -217,7 +226,7 @@ def test_weight_update_release_resume(engine, images, tiny_checkpoint):
     assert restored.output_ids == before.output_ids and restored.logprobs == before.logprobs
 
 
-def test_ray_actor(tiny_checkpoint, tiny_config, monkeypatch, engine, images):
+def test_ray_actor(family_checkpoint, monkeypatch, engine, images):
     ray = pytest.importorskip("ray")
     from vlmrl.rollout.embedded import RayEngine, create_embedded_actor
 
@@ -227,8 +236,9 @@ def test_ray_actor(tiny_checkpoint, tiny_config, monkeypatch, engine, images):
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_dir, log_to_driver=False,
              configure_logging=False)
     try:
-        d = tiny_config.data
-        actor = create_embedded_actor(tiny_checkpoint, num_cpus=0.5, min_pixels=d.min_pixels,
+        cfg, path = family_checkpoint
+        d = cfg.data
+        actor = create_embedded_actor(path, num_cpus=0.5, min_pixels=d.min_pixels,
                                       max_pixels=d.max_pixels)
         remote = RayEngine(actor, name="embedded-ray")
         reqs = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=6))

@@ -87,9 +87,12 @@ def test_checkpoint_and_hf_export(short_run, tiny_config):
     assert sum(p.numel() for p in model.parameters()) > 5e6
 
 
-def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir):
+@pytest.mark.parametrize("model", ["tiny", "tiny_qwen3_5_moe"])
+def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, model):
     """After SFT steps change the weights and a sync, the engine's logprobs of what it
-    generates equal the trainer's on the same tokens (fp32 CPU, <= 1e-5)."""
+    generates equal the trainer's on the same tokens (fp32 CPU, <= 1e-5); the HF export
+    (`save_hf`) loads with transformers' class of the family, with the family's processor
+    class, and gives the same logprobs."""
     import ray
 
     from vlmrl.cluster.placement import create_placement
@@ -98,7 +101,7 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir):
     from vlmrl.config.layout import compute_layout
     from vlmrl.loop import Loop, rollout_prompt, sft_samples, train_samples
 
-    cfg = _config(tmp_path, cache_dir, ["logger.jsonl=false"])
+    cfg = _config(tmp_path, cache_dir, ["logger.jsonl=false", f"model={model}"])
     loop = Loop(cfg)
     loop._setup()
     with ray_cluster(cfg, tmp_path):
@@ -120,10 +123,39 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir):
         engine_lp = [torch.tensor(s.rollout_logprobs) for s in samples]
         diff = max(float((a - b).abs().max()) for a, b in zip(trainer_lp, engine_lp))
         assert diff <= 1e-5, diff
-        # and the sync really changed the engine: the base checkpoint scores differently
+        loop._save_hf()
+        export_lp = _hf_logprobs(tmp_path / "hf", samples, cfg)
+        diff = max(float((a - b).abs().max()) for a, b in zip(trainer_lp, export_lp))
+        assert diff <= 1e-5, diff
         trainer.shutdown()
         ray.get([a.close.remote() for a in loop.engine_actors])
     loop.pool.close()
+
+
+def _hf_logprobs(path: Path, samples: list, cfg) -> list[torch.Tensor]:
+    """Teacher-forced logprobs of the loss-masked tokens under an exported HF checkpoint."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models import families
+    from vlmrl.models.processor import load_processor
+
+    expected = families.get(cfg.model.family).PROCESSOR_CLASS
+    assert json.loads((path / "processor_config.json").read_text())["processor_class"] == expected
+    assert type(load_processor(str(path))).__name__ == expected
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert isinstance(hf, families.get(cfg.model.family).hf_model_class(cfg.model))
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.input_ids])
+            kwargs = {}
+            if s.pixel_values is not None:
+                kwargs = dict(pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw,
+                              mm_token_type_ids=(ids == cfg.model.image_token_id).long())
+            logits = hf(input_ids=ids, **kwargs).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append(logp[torch.tensor(s.loss_mask[1:]) > 0])
+    return out
 
 
 def test_sft_algorithm_runs_through_the_same_entry(tmp_path, cache_dir):
@@ -208,3 +240,59 @@ def test_colocated_loop_order(tmp_path, cache_dir):
     assert summary["rl_steps"] == 2
     rl = [r for r in read_metrics(tmp_path) if "rl_step" in r]
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
+
+
+RECIPE_ON_CPU = ["experiment=geo3k_qwen35", "model=tiny_qwen3_5_moe", "hardware=cpu", "rollout=embedded",
+                 "data=synthetic", "cluster.num_gpus=0", "cluster.colocate=false", "cluster.num_cpu_ranks=2",
+                 "rollout.num_gpus=0", "rollout.gpus_per_engine=1", "parallel.ep=2", "save_interval=2",
+                 "save_hf=false", "eval_interval=2", "rollout.eval.max_prompts=4"]
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.cp=2"],
+                                    ["parallel.tp=4", "cluster.num_cpu_ranks=4"]],
+                         ids=["tp2+sp+ep2", "cp2+ep2", "tp4+sp+ep2"])
+def test_reference_recipe_in_miniature(tmp_path, cache_dir, layout):
+    """`experiment=geo3k_qwen35` with the tiny Qwen3.5-MoE on CPU ranks: the recipe's layout
+    (TP2 + SP, EP2 for the experts, full recompute, micro-batch 1), a CP2 run, and TP4 (wider
+    than the model's 2 KV groups, as `parallel.tp=4` on the full model) on four ranks. Each
+    does rollout, rewards, training, weight sync (engine logprobs equal the trainer's after
+    every sync), evaluation and a checkpoint, and reports the MoE routing metrics."""
+    from vlmrl.config import load
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+    from vlmrl.training.checkpoint import find_latest
+
+    cfg = load([f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}", *RECIPE_ON_CPU, *SHORT, "save_hf=false",
+                *layout])
+    assert cfg.parallel.name == "moe_ep8" and cfg.parallel.recompute_granularity == "full"
+    assert cfg.reward.name == "geo3k_tol05" and cfg.model.family == "qwen3_5_moe"
+    summary = train(cfg)
+    assert summary["rl_steps"] == 2
+    rows = read_metrics(tmp_path)
+    rl = [r for r in rows if "rl_step" in r]
+    assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
+    assert any("eval/synthetic" in r for r in rows)
+    for r in rl:
+        layers = [k for k in r if k.startswith("moe/imbalance/layer_")]
+        assert len(layers) == cfg.model.lm.num_layers, layers
+        assert all(1.0 <= r[k] <= cfg.model.lm.num_experts / cfg.model.lm.moe_router_topk + 1e-9 for k in layers)
+        assert r["moe/dropped_frac"] == 0.0  # no capacity factor: nothing dropped
+        assert r["perf/fwd_gdn_s"] > 0 and r["perf/fwd_attention_s"] > 0 and r["perf/fwd_moe_s"] > 0
+    assert find_latest(tmp_path / "checkpoints") is not None
+
+
+def test_control_rewards_are_evaluated_for_correctness(tmp_path, cache_dir):
+    """`reward=coin_flip` trains on coin flips but evaluates with the math verifier: an
+    evaluation scored by the training reward would measure the coin."""
+    from vlmrl.loop import Loop
+    from vlmrl.rewards.control import CoinFlipVerifier
+    from vlmrl.rewards.math import MathVerifier
+
+    loop = Loop(_config(tmp_path, cache_dir, ["reward=coin_flip"]))
+    loop._setup()
+    try:
+        assert isinstance(loop.pool.scorer, CoinFlipVerifier)
+        assert isinstance(loop.eval_pool.scorer, MathVerifier)
+        assert loop.eval_pool.score(["Answer: \\boxed{4}"] * 8, ["4"] * 8) == [1.0] * 8
+    finally:
+        loop.pool.close()

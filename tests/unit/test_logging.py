@@ -310,3 +310,14 @@ def test_step_summary_line():
     assert line.startswith("step 2 | reward 0.2 | eval/geo3k 0.5 | len 102")
     assert "mean_reward" not in line and "kl" not in line and "tok/s/gpu 123457" in line
     assert "\n" not in line
+
+
+def test_moe_runs_get_a_load_imbalance_plot(tmp_path):
+    from vlmrl.logging.plots import MOE_IMBALANCE_PNG
+
+    rows = [{"step": s, **step_metrics(s), "moe/imbalance/layer_1": 1.2 + 0.01 * s,
+             "moe/imbalance/layer_12": 2.0, "moe/imbalance_max": 2.0} for s in range(5)]
+    written = write_plots(rows, tmp_path)
+    assert MOE_IMBALANCE_PNG in [p.name for p in written]
+    assert (tmp_path / MOE_IMBALANCE_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert MOE_IMBALANCE_PNG not in [p.name for p in write_plots(eval_rows(), tmp_path / "dense")]

@@ -206,7 +206,19 @@ def test_get_verifier_unknown_name_lists_valid_names() -> None:
         get_verifier("gsm8k")
     for name in ("math", "geo3k_tol05", "geo3k_strict"):
         assert name in str(error.value)
-    assert set(VERIFIER_NAMES) == {"math", "geo3k_tol05", "geo3k_strict"}
+    assert set(VERIFIER_NAMES) == {"math", "geo3k_tol05", "geo3k_strict", "coin_flip"}
+
+
+def test_coin_flip_control_carries_no_information() -> None:
+    """A fair coin per call: about half ones, the same response scored again is a new flip
+    (no response always wins), and the sequence of flips is reproducible from the seed."""
+    coin = get_verifier("coin_flip")
+    same = [coin("Answer: \\boxed{7}", "7") for _ in range(200)]
+    assert 70 <= sum(same) <= 130
+    wrong = [coin("Answer: \\boxed{8}", "7") for _ in range(200)]
+    assert 70 <= sum(wrong) <= 130  # correct and wrong answers alike
+    again = get_verifier("coin_flip")
+    assert [again("Answer: \\boxed{7}", "7") for _ in range(200)] == same
 
 
 def test_presets() -> None:

@@ -32,8 +32,11 @@ def _short_link(target: Path) -> Path:
 
 def cpu_slots(cfg: VlmrlConfig) -> float:
     """CPUs the local cluster advertises: one slot per actor, fractional on small machines."""
+    import math
+
     actors = max(cfg.cluster.num_cpu_ranks, 1) + 1  # trainer ranks + the embedded engine
-    return max(float(os.cpu_count() or 1), actors * cfg.cluster.cpus_per_actor)
+    # Ray takes whole CPU counts only (5 actors x 0.5 CPU = 2.5 -> 3)
+    return float(max(os.cpu_count() or 1, math.ceil(actors * cfg.cluster.cpus_per_actor)))
 
 
 @contextlib.contextmanager
@@ -45,8 +48,16 @@ def ray_cluster(cfg: VlmrlConfig, run_dir: str | os.PathLike) -> Iterator[Any]:
         yield ray
         return
     started_link: Path | None = None
+    import logging
+
+    from ..logging.console import LOG_ENV, library_log
+
+    log = str(library_log(run_dir))
+    os.environ[LOG_ENV] = log  # for processes this one starts (and the driver's own notices)
+    env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", LOG_ENV: log}
     if c.address:
-        ray.init(address=c.address, log_to_driver=True)
+        ray.init(address=c.address, log_to_driver=True, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": {LOG_ENV: log}})
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -60,7 +71,8 @@ def ray_cluster(cfg: VlmrlConfig, run_dir: str | os.PathLike) -> Iterator[Any]:
             dashboard_host="127.0.0.1",
             _temp_dir=str(started_link),
             log_to_driver=True,
-            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}},
+            logging_level=logging.WARNING,  # no "Started a local Ray instance" banner
+            runtime_env={"env_vars": env},
         )
     try:
         yield ray

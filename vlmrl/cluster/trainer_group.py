@@ -24,6 +24,9 @@ class TrainerWorker:
     """Ray actor body: one Megatron rank."""
 
     def __init__(self, cfg: VlmrlConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        from ..logging.console import quiet_from_env
+
+        quiet_from_env()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                           MASTER_PORT=str(master_port), LOCAL_RANK="0")
         self.cfg = cfg

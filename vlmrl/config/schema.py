@@ -155,6 +155,9 @@ class RewardConfig(Sealable):
     relative: bool = False
     timeout_s: float = 1.0
     num_workers: int = 2  # worker processes scoring off the critical path; 0 = inline
+    # the verifier of evaluations (`_target_` of a Verifier with its defaults); null: the
+    # training reward's (a control reward that ignores correctness names one that does not)
+    eval_target: str | None = None
 
 
 # --------------------------------------------------------------------------- hardware
@@ -189,7 +192,9 @@ class SyntheticDataConfig(Sealable):
     num_train: int = 2048
     num_test: int = 256
     seed: int = 1234
-    image_size: int = 112
+    # pixels per side; null: 4 merged image tokens of the model's vision tower per side
+    # (112 for 14 px patches merged 2x2, 128 for 16 px ones), one dot per token cell
+    image_size: int | None = None
 
 
 @dataclass

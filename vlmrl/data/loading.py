@@ -35,12 +35,14 @@ class DatasetLoadError(RuntimeError):
     """The dataset (or the split) cannot be found or read."""
 
 
-def load_split(cfg: DataConfig, split: str) -> Any:
-    """The `split` of the dataset `cfg` names (a `datasets.Dataset`), schema-checked."""
+def load_split(cfg: DataConfig, split: str, *, cell: int | None = None) -> Any:
+    """The `split` of the dataset `cfg` names (a `datasets.Dataset`), schema-checked.
+    `cell`: pixels per merged image token of the model (the synthetic task's grid)."""
     if cfg.source == "synthetic":
         from .synthetic import build_synthetic
 
-        ds = build_synthetic(cfg.synthetic, {cfg.train_split: "train", cfg.test_split: "test"}.get(split, split))
+        ds = build_synthetic(cfg.synthetic, {cfg.train_split: "train", cfg.test_split: "test"}.get(split, split),
+                             cell=cell)
         origin = "the synthetic task"
     elif cfg.source == "hf":
         ds, origin = _load_hf(cfg.path, split)

@@ -231,6 +231,13 @@ def encode_prompt_response(processor: Any, prompt: Prompt, response: str) -> dic
 
 
 # --------------------------------------------------------------------------- the stream
+def token_cell(processor: Any) -> int | None:
+    """Pixels per side of one merged image token of `processor` (patch size x merge size)."""
+    ip = getattr(processor, "image_processor", None)
+    patch, merge = getattr(ip, "patch_size", None), getattr(ip, "merge_size", None)
+    return int(patch) * int(merge) if patch and merge else None
+
+
 class PromptDataset:
     """The valid prompts of one split, in a deterministic order.
 
@@ -248,7 +255,7 @@ class PromptDataset:
             raise ValueError(f"processor pixel bounds {pixel_bounds(processor)} differ from data.min_pixels/"
                              f"max_pixels ({cfg.min_pixels}, {cfg.max_pixels}): image token counts would "
                              "differ between rollout and training")
-        self.rows = raw_rows(load_split(cfg, split) if rows is None else rows)
+        self.rows = raw_rows(load_split(cfg, split, cell=token_cell(processor)) if rows is None else rows)
         self.cfg, self.split, self.processor = cfg, split, processor
         self.skips = SkipStats(split)
         self.epoch, self.position = 0, 0

@@ -7,8 +7,9 @@ HF `datasets`' Image feature, so rows round-trip through parquet exactly like GE
 Each template asks one fixed question, so the text carries no information about the
 answer: within a template the answer is drawn uniformly from four values and only the
 diagram tells which. A model that ignores the image is at `chance_accuracy()` (1/4).
-The diagrams are made to be learnable by a tiny ViT (14 px patches, 112 px images): the
-quantity to read is a count of big near-black dots (the vertices of a polygon, or points
+The diagrams are made to be learnable by a tiny ViT (a 4 x 4 grid of merged image tokens:
+112 px for 14 px patches, 128 px for 16 px ones): the quantity to read is a count of big
+near-black dots (the vertices of a polygon, or points
 on a circle) on a light background, one dot per merged image token (see `render`), while
 which positions are used, jitter, fill, colours and line widths vary from row to row so
 that no picture repeats.
@@ -65,15 +66,26 @@ def chance_accuracy(templates: tuple[Template, ...] = TEMPLATES) -> float:
     return sum(1.0 / len(t.counts) for t in templates) / len(templates)
 
 
-def build_synthetic(cfg: SyntheticDataConfig, split: str) -> Any:
+CELLS = 4  # merged image tokens per side of a diagram (at its default size)
+
+
+def image_size_for(cfg: SyntheticDataConfig, cell: int | None) -> int:
+    """`cfg.image_size`, or CELLS merged-token cells of `cell` pixels (28 when unknown)."""
+    if cfg.image_size:
+        return int(cfg.image_size)
+    return CELLS * (cell or 28)
+
+
+def build_synthetic(cfg: SyntheticDataConfig, split: str, *, cell: int | None = None) -> Any:
     """The `split` ("train" or "test") of the procedural task as a `datasets.Dataset` with
-    columns problem, answer, images; identical bytes for identical (cfg, split)."""
+    columns problem, answer, images; identical bytes for identical (cfg, split, cell).
+    `cell`: pixels per merged image token of the model (patch size x merge size)."""
     import datasets
 
     num_rows = {"train": cfg.num_train, "test": cfg.num_test}.get(split)
     if num_rows is None:
         raise ValueError(f"the synthetic task has splits {SPLITS}, not {split!r}")
-    rows = generate_rows(num_rows, seed=cfg.seed, split=split, image_size=cfg.image_size)
+    rows = generate_rows(num_rows, seed=cfg.seed, split=split, image_size=image_size_for(cfg, cell))
     features = datasets.Features({
         "problem": datasets.Value("string"),
         "answer": datasets.Value("string"),
@@ -117,14 +129,14 @@ def balanced_plan(num_rows: int, templates: tuple[Template, ...],
 
 
 # --------------------------------------------------------------------------- drawing
-SLOTS = 8  # dot positions: evenly spaced on a circle, each inside its own 28 px cell at 112 px
+SLOTS = 8  # dot positions: evenly spaced on a circle, each inside its own cell of a 4 x 4 grid
 
 
 def render(scene: str, count: int, size: int, rng: random.Random) -> Image.Image:
     """A `size` x `size` diagram with `count` dots; layout and style drawn from `rng`.
 
     The dots sit on `count` of `SLOTS` fixed positions around the centre (jittered by 2% of
-    the size), so at 112 px each dot falls inside one 28 px cell, i.e. one merged image
+    the size), so each dot falls inside one cell of a 4 x 4 grid, i.e. one merged image
     token of the tiny model's ViT: big, dark, one per token, which a tiny model learns to
     count within a few hundred optimizer steps (smaller dots spread over patch borders are
     not learned in that budget)."""

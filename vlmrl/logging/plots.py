@@ -1,4 +1,5 @@
-"""PNG plots of a run's metrics: reward, eval accuracy and response length against step.
+"""PNG plots of a run's metrics against step: reward, eval accuracy, response length, and for
+MoE models the expert load imbalance of each layer.
 
 Figures are drawn with matplotlib's object API on an Agg canvas (no pyplot, no global
 backend switch, no display needed) and written through a temporary file plus
@@ -16,6 +17,7 @@ from .metrics import (
     EVAL_PREFIX,
     ROLLOUT_RAW_REWARD,
     ROLLOUT_RESPONSE_LEN_MEAN,
+    TRAIN_ROLLOUT_LOGPROB_ABS_DIFF,
     finite,
     is_eval_accuracy_key,
 )
@@ -23,6 +25,9 @@ from .metrics import (
 REWARD_PNG = "reward.png"
 EVAL_ACCURACY_PNG = "eval_accuracy.png"
 RESPONSE_LENGTH_PNG = "response_length.png"
+MOE_IMBALANCE_PNG = "moe_imbalance.png"
+MISMATCH_PNG = "logprob_mismatch.png"
+MOE_IMBALANCE_PREFIX = "moe/imbalance/layer_"
 
 Series = tuple[list[int], list[float]]
 
@@ -55,7 +60,8 @@ def write_plots(
     out_dir: str | os.PathLike[str],
     eval_key_prefix: str = EVAL_PREFIX,
 ) -> list[Path]:
-    """Write reward.png, eval_accuracy.png and response_length.png into `out_dir`.
+    """Write reward.png, eval_accuracy.png, response_length.png and (MoE models)
+    moe_imbalance.png into `out_dir`.
 
     A plot whose metric has no finite value yet is skipped (and not written). Eval
     accuracy has one line per `eval/<name>` key; sub-metrics (`eval/<name>/...`) are left
@@ -92,6 +98,21 @@ def write_plots(
                 [("mean response length", steps, length, {})],
             )
         )
+    steps, gap = series(rows, TRAIN_ROLLOUT_LOGPROB_ABS_DIFF)
+    if steps:
+        written.append(_save(out / MISMATCH_PNG, "Trainer vs rollout engine logprobs", "mean |difference|",
+                             [("", steps, gap, {})]))
+
+    layers = sorted({k for row in rows for k in row if k.startswith(MOE_IMBALANCE_PREFIX)},
+                    key=lambda k: int(k[len(MOE_IMBALANCE_PREFIX):]))
+    moe_lines = []
+    for key in layers:
+        s, v = series(rows, key)
+        if s:
+            moe_lines.append((f"layer {key[len(MOE_IMBALANCE_PREFIX):]}", s, v, {}))
+    if moe_lines:
+        written.append(_save(out / MOE_IMBALANCE_PNG, "MoE expert load (max / mean, 1 = even)", "imbalance",
+                             moe_lines))
     return written
 
 

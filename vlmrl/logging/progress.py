@@ -114,6 +114,17 @@ class Progress:
         """One compact line for the step (rich styling when enabled); returns its text."""
         return print_step_summary(step, metrics, console=self.console if self.enabled else None)
 
+    def print_sft_step(self, step: int, total: int, metrics: Mapping[str, Any]) -> str:
+        """One line per SFT warm-up step: `sft 12/60 | loss 0.52 | gnorm 1.3 | s 0.81`
+        (with an eval accuracy when the step evaluated). Nothing when disabled."""
+        items = [("loss", metrics.get("sft/loss")), ("gnorm", metrics.get(TRAIN_GRAD_NORM))]
+        items += [(k, metrics[k]) for k in sorted(metrics) if is_eval_accuracy_key(k)]
+        items += [("s", metrics.get("perf/train_time"))]
+        text = " | ".join([f"sft {step}/{total}"] + [f"{k} {_fmt(float(v))}" for k, v in items if finite(v)])
+        if self.enabled:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        return text
+
     # ------------------------------------------------------------------ rich plumbing
     def _start_task(self, name: str, total: int | None) -> Any:
         from rich.progress import (

@@ -85,10 +85,15 @@ class HFExperts(MegatronModule):
         std = config.init_method_std
         self.gate_up_proj = torch.nn.Parameter(torch.randn(num_local_experts, 2 * ffn, h, dtype=config.params_dtype) * std)
         self.down_proj = torch.nn.Parameter(torch.randn(num_local_experts, h, ffn, dtype=config.params_dtype) * std)
+        from megatron.core import tensor_parallel
+
         for p in (self.gate_up_proj, self.down_proj):
             # expert parameters: gradients reduced over the expert-data-parallel group, which
             # also spans the TP ranks when experts are not TP-sharded (etp=1)
             p.allreduce = False  # type: ignore[attr-defined]
+            # never a "TP duplicate": the grad norm counts each rank's experts (it is reduced
+            # over the expert-parallel ranks); Megatron's own expert linears are marked alike
+            tensor_parallel.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
 
     def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor,
                 permuted_probs: Tensor) -> tuple[Tensor, None]:

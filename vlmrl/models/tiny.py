@@ -67,7 +67,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|im_start|>{{ 'assistant\\n' }}{%- endif -%}"
 )
 
-MAKER_VERSION = 1  # bump when the files written here change
+MAKER_VERSION = 1  # bump when the files written here change (Qwen2.5-VL's: cache keys)
 
 
 def _corpus(seed: int = 0, n: int = 4000) -> list[str]:
@@ -134,6 +134,22 @@ def hf_config(model: ModelConfig) -> Any:
     return config
 
 
+# Gated DeltaNet decay rates of the tiny models: A = exp(A_log) ~ U(A_MIN, A_MAX). transformers
+# draws A ~ U(0.01, 16), the range of a pretrained model's learned rates; with dt_bias = 1 most
+# heads then forget all but ~1e-5 of their state at every token (exp(-A * softplus(1))), so a
+# small model trained from scratch has almost no sequence mixing outside its attention layers.
+A_MIN, A_MAX = 0.01, 1.0
+
+
+def _init_for_training_from_scratch(net: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("linear_attn.A_log"):
+                p.copy_(torch.empty_like(p).uniform_(A_MIN, A_MAX).log())
+
+
 def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: int = 0,
                           min_pixels: int = 3136, max_pixels: int = 12544) -> Path:
     """Write the checkpoint directory `out` (atomically: a temp dir renamed at the end)."""
@@ -179,6 +195,7 @@ def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: i
         torch.manual_seed(seed)
         config = hf_config(model)
         net = hf_model_class(model)(config).eval()
+        _init_for_training_from_scratch(net)
         net.generation_config.eos_token_id = [SPECIAL_TOKENS.index("<|im_end|>"),
                                               SPECIAL_TOKENS.index("<|endoftext|>")]
         net.generation_config.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
@@ -200,6 +217,7 @@ def _fingerprint(model: ModelConfig, seed: int, min_pixels: int, max_pixels: int
             "pixels": [min_pixels, max_pixels]}
     if model.family != "qwen2_5_vl":  # (keeps the cache keys of existing Qwen2.5-VL tiny models)
         arch["family"] = model.family
+        arch["gdn_decay"] = [A_MIN, A_MAX]
     return hashlib.sha256(json.dumps(arch, sort_keys=True, default=list).encode()).hexdigest()[:10]
 
 

@@ -14,7 +14,10 @@
   sampled token, T = temperature (1 for greedy); top-p / top-k only restrict sampling.
 * Each request samples with its own torch.Generator (seeded by `sampling.seed`), so a
   seeded request gives the same tokens whatever else is in its batch.
-* Rows that finish leave the batch (their KV cache rows are dropped).
+* Rows that finish leave the batch (their cache rows are dropped: attention KV, and the
+  convolution and recurrent states of Gated DeltaNet layers in Qwen3.5's hybrid cache).
+  Left padding is exact for Gated DeltaNet layers too: transformers zeroes padded inputs, so
+  a padded row's convolution and recurrent state start at zero as an unpadded one's do.
 
 Batch invariance holds up to floating-point rounding: CPU GEMMs reduce differently for
 different batch sizes (e.g. gemv for one row), so logprobs of a request in different
@@ -339,8 +342,8 @@ class EmbeddedEngine:
                 break
             if len(keep) < len(live):  # finished rows leave the batch
                 idx = torch.tensor(keep, device=dev)
-                for layer in cache.layers:
-                    layer.batch_select_indices(idx)
+                for layer in cache.layers:  # attention KV, or GDN conv + recurrent states
+                    layer.reorder_cache(idx)
                 live = [live[k] for k in keep]
                 logits, mask, cur_pos = logits[idx], mask[idx], cur_pos[idx]
                 tokens = [tokens[k] for k in keep] if tokens else tokens
@@ -557,6 +560,9 @@ class EmbeddedEngineActor:
 
     def __init__(self, model_path: str, engine_kwargs: dict[str, Any] | None = None,
                  torch_threads: int | None = None) -> None:
+        from ..logging.console import quiet_from_env
+
+        quiet_from_env()
         if torch_threads:  # Ray gives an actor with a fractional CPU request one thread
             import torch
 

@@ -216,11 +216,15 @@ def apply() -> None:
     # checkpoint writers synchronize first).
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
 
-    # 2. The CUDA RNG tracker: CPU generator states with the same interface.
+    # 2. The CUDA RNG tracker: CPU generator states with the same interface; activation
+    #    recompute saves and restores "the CUDA RNG state", which a CPU rank does not have
+    #    (its CPU state is saved and restored beside it).
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc]
     mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
     # 3. Tied embeddings under pipeline parallelism: the last stage's copy of the word
     #    embeddings is moved with `.cuda()` before its all-reduce; keep it on the CPU.

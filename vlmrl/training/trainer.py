@@ -79,6 +79,10 @@ class MegatronTrainer:
             c.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._optimizer()
         self.scheduler = self._scheduler(total_steps or cfg.num_steps)
+        from .observe import StepObserver
+
+        # MoE routing (load imbalance, dropped tokens) and forward time per mixer kind
+        self.observer = StepObserver(chunks)
         self.tp_group = mps.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
         self.steps = 0
 
@@ -206,6 +210,7 @@ class MegatronTrainer:
         self.steps += 1
 
         out = self._reduce_metrics(outputs)
+        out.update(self.observer.collect())
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         out["update_skipped"] = float(not ok)

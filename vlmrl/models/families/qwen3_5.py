@@ -127,6 +127,10 @@ def vision_tower_class(hf_vision_config: Any) -> type:
 def megatron_kwargs(model: ModelConfig) -> dict[str, Any]:
     """Zero-centred norms, gated attention with q/k norms; the MoE router as HF's."""
     out: dict[str, Any] = dict(layernorm_zero_centered_gamma=True, attention_output_gate=True, qk_layernorm=True)
+    if len(set(model.lm.layer_types)) > 1:
+        # layers of different kinds hold different parameters: checkpoint each layer under
+        # its own key instead of stacking same-named tensors along a layer axis
+        out["hetereogenous_dist_checkpoint"] = True
     if _is_moe(model):
         out.update(
             moe_router_score_function="softmax",

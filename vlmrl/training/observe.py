@@ -1,0 +1,155 @@
+"""What a hybrid MoE model's user watches during a step, recorded by forward hooks.
+
+`StepObserver` attaches to a rank's model chunks and records, during training forwards:
+
+- MoE routing: for every MoE layer, the tokens each expert received (the router's routing
+  map, after any token dropping) and the tokens routed. Reduced over all ranks of a pipeline
+  stage, this gives per layer the load imbalance (largest expert load / mean load: 1 is
+  perfectly even, E / top-k is everything on the top-k experts) and the fraction of routed
+  token slots dropped by a capacity limit (0 without `moe_expert_capacity_factor`).
+- Forward time per mixer kind: Gated DeltaNet layers, attention layers and MoE blocks
+  (wall time on CPUs, CUDA events on GPUs, read once at the end of the step). Backward is
+  not split (autograd runs the layers' backward interleaved); with recompute the forward
+  counts twice.
+
+`collect()` is collective over all trainer ranks and returns the same flat metrics
+everywhere: `moe/imbalance/layer_<n>` (1-based global layer number), `moe/imbalance_max`,
+`moe/imbalance_mean`, `moe/dropped_frac`, `perf/fwd_<kind>_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+class StepObserver:
+    def __init__(self, chunks: list[Any]) -> None:
+        from megatron.core.transformer.attention import SelfAttention
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from ..models.gdn import GatedDeltaNet
+
+        self._counts: dict[int, torch.Tensor] = {}  # layer -> tokens per expert
+        self._routed: dict[int, int] = defaultdict(int)  # layer -> token slots routed (tokens * top-k)
+        self._events: dict[str, list[Any]] = defaultdict(list)
+        self._handles = []
+        kinds = {GatedDeltaNet: "gdn", SelfAttention: "attention", MoELayer: "moe"}
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    self._handles.append(module.register_forward_hook(self._routing_hook))
+                for cls, kind in kinds.items():
+                    if isinstance(module, cls):
+                        self._handles.append(module.register_forward_pre_hook(self._start(kind)))
+                        self._handles.append(module.register_forward_hook(self._stop(kind)))
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    # ------------------------------------------------------------------ hooks
+    def _routing_hook(self, module: Any, args: Any, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        routing_map = output[1]
+        layer = int(getattr(module, "layer_number", 0) or 0)
+        counts = routing_map.sum(0).to(torch.float64)
+        prev = self._counts.get(layer)
+        self._counts[layer] = counts if prev is None else prev + counts
+        self._routed[layer] += int(routing_map.shape[0]) * int(module.topk)
+
+    def _start(self, kind: str) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            self._events[kind].append(["start", _mark()])
+
+        return hook
+
+    def _stop(self, kind: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if not (module.training and torch.is_grad_enabled()) or not self._events[kind]:
+                return
+            last = self._events[kind][-1]
+            if last[0] == "start":
+                last[0] = "done"
+                last.append(_mark())
+
+        return hook
+
+    # ------------------------------------------------------------------ results
+    def collect(self) -> dict[str, float]:
+        """Reduce this step's records over the trainer ranks (collective) and reset them."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mps
+
+        local: dict[str, Any] = {"layers": {}, "time": {}}
+        for layer, counts in self._counts.items():
+            local["layers"][layer] = (counts.cpu(), self._routed[layer])
+        for kind, marks in self._events.items():
+            local["time"][kind] = sum(_elapsed(m[1], m[2]) for m in marks if m[0] == "done")
+        self._counts.clear()
+        self._routed.clear()
+        self._events.clear()
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, local)
+        # one pipeline's ranks of data replica 0 measure the times; every rank of a stage
+        # routes its own tokens, so the counts add up over all ranks
+        counts: dict[int, torch.Tensor] = {}
+        routed: dict[int, int] = defaultdict(int)
+        for rec in every:
+            for layer, (c, n) in rec["layers"].items():
+                counts[layer] = c if layer not in counts else counts[layer] + c
+                routed[layer] += n
+        out: dict[str, float] = {}
+        imbalances = []
+        dropped = kept = 0.0
+        for layer in sorted(counts):
+            c = counts[layer]
+            mean = float(c.mean())
+            if mean > 0:
+                imbalance = float(c.max()) / mean
+                out[f"moe/imbalance/layer_{layer}"] = imbalance
+                imbalances.append(imbalance)
+            kept += float(c.sum())
+            dropped += routed[layer] - float(c.sum())
+        if imbalances:
+            out["moe/imbalance_max"] = max(imbalances)
+            out["moe/imbalance_mean"] = sum(imbalances) / len(imbalances)
+            out["moe/dropped_frac"] = dropped / max(dropped + kept, 1.0)
+        pp = mps.get_pipeline_model_parallel_world_size()
+        stage_of = [r // max(dist.get_world_size() // pp, 1) for r in range(dist.get_world_size())]
+        first_of_stage = {s: stage_of.index(s) for s in set(stage_of)}
+        for kind in ("gdn", "attention", "moe"):
+            total = sum(every[r]["time"].get(kind, 0.0) for r in first_of_stage.values())
+            if any(kind in every[r]["time"] for r in first_of_stage.values()):
+                out[f"perf/fwd_{kind}_s"] = total
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _mark() -> Any:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from . import compat
+
+        if compat.cuda_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+    return time.perf_counter()
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
