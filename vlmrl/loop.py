@@ -138,7 +138,7 @@ def sft_samples(processor: Any, prompts: list[Any]) -> list[Any]:
 
 
 def rollout_metrics(records: list[Any], rewards: list[float]) -> dict[str, float]:
-    from .logging import metrics as mk
+    from .logging import keys as mk
 
     n = max(len(records), 1)
     return {
@@ -274,7 +274,7 @@ class Loop:
 
     # ------------------------------------------------------------ phases
     def evaluate(self) -> dict[str, float]:
-        from .logging.metrics import eval_key, eval_mean_reward_key
+        from .logging.keys import eval_key, eval_mean_reward_key
 
         prompts = list(self.test_data)
         if self.cfg.rollout.eval.max_prompts:
@@ -289,7 +289,7 @@ class Loop:
         return {eval_key(name): acc, eval_mean_reward_key(name): sum(rewards) / n}
 
     def sft(self, steps: int) -> None:
-        from .logging import metrics as mk
+        from .logging import keys as mk
 
         bs = self.cfg.algo.sft_batch_size
         while self.state.sft_steps_done < steps:
@@ -318,7 +318,7 @@ class Loop:
 
     def rl_step(self) -> dict[str, float]:
         from .algo import compute_advantages
-        from .logging import metrics as mk
+        from .logging import keys as mk
 
         cfg, state = self.cfg, self.state
         n = cfg.algo.n_samples_per_prompt

@@ -53,7 +53,7 @@ def test_triton_kernels_match_plain(dtype, tol):
 def test_cuda_model_matches_hf(fused_kernels):
     from test_megatron_parity import small_model
 
-    from vlmrl.models import parity
+    from vlmrl import parity
     from vlmrl.training.parallel_state import spawn_local
 
     res = spawn_local(parity.worker, 1, small_model(), [parity.single_layout(1)], 0, True, fused_kernels,

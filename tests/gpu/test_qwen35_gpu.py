@@ -64,8 +64,8 @@ def test_grouped_experts_match_the_loop_in_bf16():
 def test_cuda_qwen35_moe_matches_hf(tiny_config):
     """The tiny Qwen3.5-MoE on one GPU (NCCL, fp32, TF32 off, torch GDN path) within the CPU
     suite's parity bounds of HF transformers, and a packed sample equal to it alone."""
+    from vlmrl import parity
     from vlmrl.config import load
-    from vlmrl.models import parity
     from vlmrl.training.parallel_state import spawn_local
 
     model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model

@@ -105,14 +105,14 @@ def test_embedded_cuda_release_frees_the_weights(cuda_engine):
 
 _IPC_READER = """
 import sys, torch
-from vlmrl.rollout.sglang import load_ipc
+from vlmrl.rollout.weights import load_ipc
 named = load_ipc(open(sys.argv[1], "rb").read())
 print(";".join(f"{n}:{float(t.double().sum()):.6f}:{t.device}" for n, t in named))
 """
 
 
 def test_serialize_ipc_roundtrip_across_processes(tmp_path):
-    from vlmrl.rollout.sglang import serialize_ipc
+    from vlmrl.rollout.weights import serialize_ipc
 
     dev = torch.cuda.device_count() - 1  # the reader sees this GPU as cuda:0
     a = torch.arange(12, dtype=torch.float32, device=f"cuda:{dev}").view(3, 4)
@@ -128,7 +128,7 @@ def test_serialize_ipc_roundtrip_across_processes(tmp_path):
 
 _RECEIVER = """
 import sys, torch
-from vlmrl.rollout.sglang import join_update_group, receive_bucket
+from vlmrl.rollout.weights import join_update_group, receive_bucket
 port = int(sys.argv[1])
 torch.cuda.set_device(0)
 g = join_update_group("127.0.0.1", port, 1, 2, group_name="vlmrl-gpu-test", backend="nccl", timeout_s=120)
@@ -140,7 +140,7 @@ for flat in (False, True):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_nccl_update_group_broadcast(tmp_path):
-    from vlmrl.rollout.sglang import broadcast_bucket, init_update_group, order_for_flattening
+    from vlmrl.rollout.weights import broadcast_bucket, init_update_group, order_for_flattening
 
     port = _free_port()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}

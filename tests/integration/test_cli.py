@@ -49,7 +49,7 @@ def test_readme_has_commands():
 
 # the tiny maker and the parity check run for real in their own tests (below, test_qwen35_parity)
 @pytest.mark.parametrize("cmd", [c for c in readme_commands()
-                                 if "vlmrl.models.tiny" not in c and "vlmrl.models.parity" not in c])
+                                 if "vlmrl.models.tiny" not in c and "vlmrl.parity" not in c])
 def test_readme_command_runs_dry(cmd, tmp_path):
     res = run_cli(dry(cmd), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

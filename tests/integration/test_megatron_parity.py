@@ -16,8 +16,8 @@ import pytest
 import torch
 from _dist import run_in_processes
 
+from vlmrl import parity
 from vlmrl.config.schema import LanguageModelConfig, ModelConfig, ParallelConfig, VisionConfig
-from vlmrl.models import parity
 
 LAYOUTS = {"tp2": ParallelConfig(tp=2), "pp2": ParallelConfig(pp=2), "cp2": ParallelConfig(cp=2),
            "tp2+sp": ParallelConfig(tp=2, sequence_parallel=True)}

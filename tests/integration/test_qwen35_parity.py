@@ -18,9 +18,9 @@ import sys
 import pytest
 from _dist import run_in_processes
 
+from vlmrl import parity
 from vlmrl.config import load
 from vlmrl.config.schema import ParallelConfig
-from vlmrl.models import parity
 
 MOE_LAYOUTS = {"tp2+sp": ParallelConfig(tp=2, sequence_parallel=True), "pp2": ParallelConfig(pp=2),
                "cp2": ParallelConfig(cp=2), "ep2": ParallelConfig(ep=2),
@@ -100,7 +100,7 @@ def test_every_hf_parameter_gets_a_gradient(moe_results):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "vlmrl.models.parity", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "vlmrl.parity", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
 

@@ -193,7 +193,7 @@ _TRAINER = """
 import asyncio, sys
 from safetensors.torch import load_file
 from vlmrl.rollout.client import HTTPEngine
-from vlmrl.rollout.sglang import init_weights_update_group_all, update_weights_distributed
+from vlmrl.rollout.weights import init_weights_update_group_all, update_weights_distributed
 
 url, port, path, flattened = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 named = sorted(load_file(path).items())

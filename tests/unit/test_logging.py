@@ -19,7 +19,7 @@ from vlmrl.logging import (
     read_metrics,
     write_plots,
 )
-from vlmrl.logging import metrics as M
+from vlmrl.logging import keys as M
 from vlmrl.logging.wandb_logger import WANDB_ID_FILE, resolve_mode
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

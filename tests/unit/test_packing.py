@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmrl.training.packing import (
+from vlmrl.models.packing import (
     PackSample,
     cp_merge,
     mrope_position_ids,
@@ -117,7 +117,7 @@ def test_image_token_count_mismatch_names_the_sample():
 def test_check_image_tokens_names_the_sample():
     from dataclasses import replace
 
-    from vlmrl.training.packing import check_image_tokens
+    from vlmrl.models.packing import check_image_tokens
 
     p = pack([_sample(2, [[1, 4, 4]], 2, 0), _sample(2, [[1, 6, 4]], 2, 1)], image_token_id=IMG,
              spatial_merge_size=MERGE)

@@ -8,18 +8,15 @@ import pytest
 
 from vlmrl.rollout.protocol import GenerateRequest, SamplingParams, request_to_sglang, result_from_sglang
 from vlmrl.rollout.sglang import (
-    FLAGS_FILE,
-    UnknownSGLangArg,
-    bucket_metadata,
     cuda_visible_devices,
     engine_port,
-    load_flags,
-    order_for_flattening,
     router_command,
     server_args,
     server_command,
     to_cli,
 )
+from vlmrl.rollout.sglang_flags import FLAGS_FILE, UnknownSGLangArg, load_flags
+from vlmrl.rollout.weights import bucket_metadata, order_for_flattening
 
 FLAGS = load_flags()
 

@@ -84,7 +84,7 @@ class TrainerWorker:
         from rank 0 (/init_weights_update_group once, then /update_weights_from_distributed)."""
         import asyncio
 
-        from ..rollout import sglang as sg
+        from ..rollout import weights as sg
         from ..rollout.client import HTTPEngine
 
         colocate = self.cfg.cluster.colocate

@@ -5,19 +5,13 @@
 `<run_dir>/plots/*.png`. `Progress` draws the rollout / train / eval bars and the one-line
 step summary. wandb, matplotlib and rich are imported only when used.
 
-The metric names are constants in `vlmrl.logging.metrics` (documented there).
+The metric names are constants in `vlmrl.logging.keys` (documented there).
 """
 
 from __future__ import annotations
 
-from .metrics import (
-    METRICS_FILE,
-    MetricsLogger,
-    eval_key,
-    eval_mean_reward_key,
-    is_eval_accuracy_key,
-    read_metrics,
-)
+from .keys import eval_key, eval_mean_reward_key, is_eval_accuracy_key
+from .metrics import METRICS_FILE, MetricsLogger, read_metrics
 from .plots import write_plots
 from .progress import Progress, format_step_summary, print_step_summary
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .metrics import (
+from .keys import (
     EVAL_PREFIX,
     ROLLOUT_RAW_REWARD,
     ROLLOUT_RESPONSE_LEN_MEAN,

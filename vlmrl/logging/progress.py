@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .metrics import (
+from .keys import (
     PERF_STEP_TIME,
     PERF_TOKENS_PER_GPU_PER_SEC,
     ROLLOUT_RAW_REWARD,

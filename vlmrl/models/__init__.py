@@ -13,11 +13,12 @@ torch or megatron. Modules:
 - `moe`: routed experts in HF's fused shapes for Megatron's MoELayer (grouped GEMM on GPUs)
 - `grads`: gradient reductions beyond Megatron's (TP sums of head-shared weights)
 - `mrope`: M-RoPE cos/sin tables and rotation (pure)
+- `packing`: THD packing of samples, per-sample M-RoPE positions, the CP zigzag split (pure)
+- `compat`: what makes megatron-core 0.16 run on CPU processes over gloo (shims)
 - `norm`: RMSNorm for the specs (HF numerics, zero-centred gamma, sequence parallel)
 - `kernels`: Inductor-fused twins of the elementwise functions (`hardware.fused_kernels`)
 - `fused_layer`: the transformer layer whose dense body runs as two compiled graphs
 - `adapters`: HF <-> Megatron weights (load, export, bucketed iteration for weight sync)
-- `parity`: HF / cross-layout parity checks and their CLI (`python -m vlmrl.models.parity`)
 - `rules`, `names`, `processor`, `tiny`: weight-mapping rules, HF names, processor loading,
   the tiny checkpoints
 """

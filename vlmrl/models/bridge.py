@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.schema import ModelConfig, ParallelConfig
-from ..training import compat
-from . import families
+from . import compat, families
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -3,7 +3,7 @@
 Pure tensor functions. Every token carries a 3D position (temporal, height, width): text
 tokens advance all three axes together, image tokens take their patch's grid position,
 and text after an image continues from the image's start plus its larger spatial side.
-`vlmrl.training.packing.mrope_position_ids` computes these positions per sample (they are
+`vlmrl.models.packing.mrope_position_ids` computes these positions per sample (they are
 rebuilt for every packed sample); the functions here turn positions into cos/sin tables
 and rotate queries/keys.
 

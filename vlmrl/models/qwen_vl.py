@@ -27,9 +27,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from ..training.packing import PackedSequence, check_image_tokens
 from .attention import VLPackedSeqParams
 from .mrope import MRopeSpec, mrope_cos_sin
+from .packing import PackedSequence, check_image_tokens
 
 
 class QwenVLModel(MegatronModule):

@@ -7,7 +7,7 @@ requests the server aborted). Client errors (HTTP 4xx) fail at once.
 
 Weight payloads depend on the server: `tensor_format="torch_save"` (the embedded server:
 base64 of torch.save'd (name, tensor) lists, tensors copied) or `"ipc"` (SGLang colocated
-on the same GPUs: CUDA IPC handles, see `vlmrl.rollout.sglang.serialize_ipc`), with one
+on the same GPUs: CUDA IPC handles, see `vlmrl.rollout.weights.serialize_ipc`), with one
 entry per tensor-parallel rank of the engine.
 """
 
@@ -159,11 +159,11 @@ class HTTPEngine:
     def serialize(self, bucket: list[tuple[str, Any]]) -> list[str]:
         """`serialized_named_tensors` for one bucket: one base64 string per TP rank."""
         if self.tensor_format == "ipc":
-            from .sglang import serialize_ipc
+            from .weights import serialize_ipc
 
             entry = base64.b64encode(serialize_ipc(bucket)).decode()
         else:
-            from .server import encode_torch_payload
+            from .weights import encode_torch_payload
 
             entry = encode_torch_payload(bucket)
         return [entry] * self.tp_size

@@ -35,8 +35,6 @@ with status 400 (bad request) or 500/503 (engine failure; the client retries tho
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
 import threading
 from dataclasses import dataclass
@@ -49,25 +47,9 @@ from .protocol import (
     requests_from_sglang,
     result_to_sglang,
 )
+from .weights import decode_torch_payload
 
 log = logging.getLogger(__name__)
-
-
-def encode_torch_payload(named_tensors: list[tuple[str, Any]]) -> str:
-    """The embedded server's `serialized_named_tensors` entry: base64(torch.save(list))."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named_tensors], buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def decode_torch_payload(entry: str | bytes) -> list[tuple[str, Any]]:
-    import torch
-
-    data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
-    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    return [(str(n), t) for n, t in obj]
 
 
 def _error(message: str, status: int, *, retryable: bool) -> Any:
@@ -136,7 +118,7 @@ def build_app(engine: Any) -> Any:
         return _reply(True, f"updated {len(named)} tensors")
 
     async def init_weights_update_group(request: web.Request) -> web.Response:
-        from .sglang import join_update_group
+        from .weights import join_update_group
 
         try:
             body = await _json(request)
@@ -152,7 +134,7 @@ def build_app(engine: Any) -> Any:
         return _reply(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(request: web.Request) -> web.Response:
-        from .sglang import receive_bucket
+        from .weights import receive_bucket
 
         try:
             body = await _json(request)
@@ -174,7 +156,7 @@ def build_app(engine: Any) -> Any:
         group = groups.pop(body.get("group_name", "weight_update_group"), None)
         if group is None:
             return _reply(False, "no such group")
-        from .sglang import destroy_update_group
+        from .weights import destroy_update_group
 
         await asyncio.to_thread(destroy_update_group, group)
         return _reply(True, "destroyed")

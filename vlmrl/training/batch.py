@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .packing import PackedSequence, PackSample, pack, split_for_cp
+from ..models.packing import PackedSequence, PackSample, pack, split_for_cp
 
 
 @dataclass

@@ -139,7 +139,7 @@ class StepObserver:
 
 def _mark() -> Any:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        from . import compat
+        from ..models import compat
 
         if compat.cuda_available():
             event = torch.cuda.Event(enable_timing=True)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import ParallelConfig
-from . import compat
+from ..models import compat
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,8 @@ class MegatronTrainer:
         lm = self.model_cfg.lm
         if self.cfg.hardware.gdn_backend != "fla" or "linear_attention" not in lm.layer_types:
             return
+        from ..models import compat
         from ..models.gated_delta import check_fast_path
-        from . import compat
 
         ratio = lm.linear_num_value_heads // lm.linear_num_key_heads
         check_fast_path(compat.device(), self.dtype, hk=2, hv=2 * ratio, dk=lm.linear_key_head_dim,
@@ -225,7 +225,7 @@ class MegatronTrainer:
         pipeline stage has outputs, and NCCL reduces device tensors only."""
         from megatron.core import parallel_state as mps
 
-        from . import compat
+        from ..models import compat
 
         keys = (*_SUMMED, *_MEANS, "_normaliser", "_tokens")
         dev = compat.device()
@@ -311,7 +311,7 @@ class MegatronTrainer:
         for g, mb in zip(groups, mbs):
             logp = mb.extras["logp"].float()
             if self.info.cp_size > 1:  # gathered on the device: NCCL has no CPU tensors
-                from .packing import cp_merge
+                from ..models.packing import cp_merge
 
                 shares = [torch.empty_like(logp) for _ in range(self.info.cp_size)]
                 dist.all_gather(shares, logp.contiguous(), group=mps.get_context_parallel_group())

@@ -24,8 +24,8 @@ CLI (Hydra overrides composed with vlmrl's config; checks the configured layout)
 `model=` says) and its weights are used when its safetensors are there;
 `model.lm.num_layers=N` truncates the language model:
 
-    python -m vlmrl.models.parity model=tiny_qwen3_5_moe parallel.tp=2 parallel.sequence_parallel=true parallel.ep=2
-    python -m vlmrl.models.parity model.path=/path/to/checkpoint parallel.cp=2
+    python -m vlmrl.parity model=tiny_qwen3_5_moe parallel.tp=2 parallel.sequence_parallel=true parallel.ep=2
+    python -m vlmrl.parity model.path=/path/to/checkpoint parallel.cp=2
 
 prints a table of max |diff| figures with PASS/FAIL against the bounds and exits non-zero
 on a failure.
@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.schema import ModelConfig, ParallelConfig
+from .config.schema import ModelConfig, ParallelConfig
 
 # bounds (fp32, CPU)
 LOGITS_VS_HF = 1e-4
@@ -79,7 +79,7 @@ def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int
     """Samples with one image each (grids given) plus `text_only` samples without images."""
     import torch
 
-    from ..training.packing import PackSample
+    from .models.packing import PackSample
 
     v, lm = model.vision, model.lm
     g = torch.Generator().manual_seed(seed)
@@ -131,7 +131,7 @@ def make_hf_model(model: ModelConfig, *, seed: int = 0, weights: str | None = No
     directory `weights`), fp32, eval mode, SDPA, every 1-D parameter perturbed."""
     import torch
 
-    from .bridge import hf_config, hf_model_class
+    from .models.bridge import hf_config, hf_model_class
 
     use_transformers_torch_paths()
     torch.manual_seed(seed)
@@ -162,7 +162,7 @@ def hf_reference(net: Any, batch: ParityBatch, model: ModelConfig) -> RunResult:
     """HF logits per sample and gradients (checkpoint names) of the parity loss."""
     import torch
 
-    from . import names
+    from .models import names
 
     net.zero_grad(set_to_none=True)
     net.config.text_config.use_cache = False
@@ -207,10 +207,9 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ..training import compat, packing
-    from ..training.parallel_state import destroy_parallel_state, init_parallel_state
-    from . import adapters
-    from .bridge import build_model
+    from .models import adapters, compat, packing
+    from .models.bridge import build_model
+    from .training.parallel_state import destroy_parallel_state, init_parallel_state
 
     info = init_parallel_state(parallel, seed=batch.seed)
     try:
@@ -306,7 +305,7 @@ def _pack_vs_alone(chunk: Any, model: ModelConfig, batch: ParityBatch, packed_lo
     """max |logits of each sample inside the pack - its logits run alone| (one process, no CP/TP)."""
     import torch
 
-    from ..training import packing
+    from .models import packing
 
     merge = model.vision.spatial_merge_size
     per_sample = packing.unpack(packed_logits, whole)
@@ -488,7 +487,7 @@ def world_size_for(layouts: list[ParallelConfig]) -> int:
 def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int = 0, timeout_s: float = 900.0,
                fused_kernels: bool = False, weights: str | None = None) -> list[Check]:
     """Spawn the gloo processes, run HF + single + `layouts`, return the checks."""
-    from ..training.parallel_state import spawn_local
+    from .training.parallel_state import spawn_local
 
     world = world_size_for(layouts)
     results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, True, fused_kernels,
@@ -510,7 +509,7 @@ def model_from_checkpoint(path: str, overrides: list[str]) -> tuple[ModelConfig,
 
     from transformers import AutoConfig
 
-    from .bridge import model_config_from_hf, with_layers
+    from .models.bridge import model_config_from_hf, with_layers
 
     hf = AutoConfig.from_pretrained(path)
     model = model_config_from_hf(hf, name=Path(path).name)
@@ -529,8 +528,8 @@ def model_from_checkpoint(path: str, overrides: list[str]) -> tuple[ModelConfig,
 def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
-    from .. import config as vconfig
-    from ..config.validate import check
+    from . import config as vconfig
+    from .config.validate import check
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     cfg = vconfig.load(overrides, check_rules=False)

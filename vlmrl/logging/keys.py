@@ -1,0 +1,105 @@
+"""Metric names: the keys of `metrics.jsonl`, wandb and the plots (pure, standard library).
+
+Metric keys written by the loop (values are floats):
+
+rollout
+  rollout/raw_reward            mean verifier reward over the step's samples, before
+                                advantage normalisation
+  rollout/response_len/mean     mean response length in tokens
+  rollout/truncated_ratio       fraction of responses cut at the max new tokens
+eval (every `eval_interval` steps, one pair per eval dataset)
+  eval/<dataset>                accuracy: fraction of samples the verifier accepts
+  eval/<dataset>/mean_reward    mean verifier reward (differs from accuracy for
+                                non-binary verifiers)
+train (averaged over the step's optimizer updates)
+  train/loss                    total loss that was backpropagated
+  train/pg_loss                 policy-gradient (clipped surrogate) loss
+  train/pg_clipfrac             fraction of tokens where the ratio clip was active
+  train/entropy                 mean token entropy of the policy
+  train/grad_norm               gradient norm before clipping
+  train/ppo_kl                  mean (old logprob - new logprob) over response tokens
+  train/train_rollout_logprob_abs_diff
+                                mean |logp_train - logp_rollout|: the train/rollout
+                                mismatch (a growing gap has preceded collapses)
+perf (seconds unless stated)
+  perf/rollout_time             generation and reward scoring
+  perf/train_time               logprob recomputation and optimizer steps
+  perf/update_weights_time      weight sync trainer -> rollout engines
+  perf/step_time                the whole step, wall clock
+  perf/tokens_per_gpu_per_sec   trained tokens (prompt + response) / train_time / GPUs
+  perf/fwd_<kind>_s             forward time of the step's Gated DeltaNet ("gdn"), attention
+                                and MoE blocks (training forwards; backward not split)
+moe (MoE models; means over the step's optimizer updates)
+  moe/imbalance/layer_<n>       largest expert load / mean expert load of layer n (1 = even)
+  moe/imbalance_max, moe/imbalance_mean
+  moe/dropped_frac              routed token slots dropped by a capacity limit
+
+Eval dataset names must not contain "/" (`eval_key` replaces it with "_"): a key
+`eval/<name>` with no further "/" is an accuracy, anything deeper is a sub-metric.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+ROLLOUT_RAW_REWARD = "rollout/raw_reward"
+ROLLOUT_RESPONSE_LEN_MEAN = "rollout/response_len/mean"
+ROLLOUT_TRUNCATED_RATIO = "rollout/truncated_ratio"
+
+EVAL_PREFIX = "eval/"
+EVAL_MEAN_REWARD_SUFFIX = "/mean_reward"
+
+TRAIN_LOSS = "train/loss"
+TRAIN_PG_LOSS = "train/pg_loss"
+TRAIN_PG_CLIPFRAC = "train/pg_clipfrac"
+TRAIN_ENTROPY = "train/entropy"
+TRAIN_GRAD_NORM = "train/grad_norm"
+TRAIN_PPO_KL = "train/ppo_kl"
+TRAIN_ROLLOUT_LOGPROB_ABS_DIFF = "train/train_rollout_logprob_abs_diff"
+
+PERF_ROLLOUT_TIME = "perf/rollout_time"
+PERF_TRAIN_TIME = "perf/train_time"
+PERF_UPDATE_WEIGHTS_TIME = "perf/update_weights_time"
+PERF_STEP_TIME = "perf/step_time"
+PERF_TOKENS_PER_GPU_PER_SEC = "perf/tokens_per_gpu_per_sec"
+
+# Every fixed key (eval keys depend on the dataset names: see eval_key).
+ROLLOUT_KEYS = (ROLLOUT_RAW_REWARD, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_TRUNCATED_RATIO)
+TRAIN_KEYS = (
+    TRAIN_LOSS,
+    TRAIN_PG_LOSS,
+    TRAIN_PG_CLIPFRAC,
+    TRAIN_ENTROPY,
+    TRAIN_GRAD_NORM,
+    TRAIN_PPO_KL,
+    TRAIN_ROLLOUT_LOGPROB_ABS_DIFF,
+)
+PERF_KEYS = (
+    PERF_ROLLOUT_TIME,
+    PERF_TRAIN_TIME,
+    PERF_UPDATE_WEIGHTS_TIME,
+    PERF_STEP_TIME,
+    PERF_TOKENS_PER_GPU_PER_SEC,
+)
+RESERVED_KEYS = ("step", "time")
+
+
+def eval_key(dataset: str) -> str:
+    """`eval/<dataset>`: the eval accuracy of one dataset."""
+    return EVAL_PREFIX + dataset.replace("/", "_")
+
+
+def eval_mean_reward_key(dataset: str) -> str:
+    """`eval/<dataset>/mean_reward`: the mean eval reward of one dataset."""
+    return eval_key(dataset) + EVAL_MEAN_REWARD_SUFFIX
+
+
+def is_eval_accuracy_key(key: str, prefix: str = EVAL_PREFIX) -> bool:
+    """True for `eval/<name>`, False for sub-metrics such as `eval/<name>/mean_reward`."""
+    return key.startswith(prefix) and len(key) > len(prefix) and "/" not in key[len(prefix) :]
+
+
+def finite(value: Any) -> bool:
+    """True for a real, finite number (plots and summaries skip everything else)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

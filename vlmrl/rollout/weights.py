@@ -1,0 +1,247 @@
+"""Moving weights from the trainer to rollout engines: payloads and broadcast groups.
+
+Pure transport, no HTTP (the client and the server both import this module; neither imports
+the other):
+
+* `/update_weights_from_tensor` payloads: SGLang's CUDA-IPC form (`serialize_ipc`: colocated
+  engines read the trainer's GPU memory) and the embedded server's CPU form
+  (`encode_torch_payload`: base64 of `torch.save(list[(name, tensor)])`).
+* `/update_weights_from_distributed`: the trainer's rank 0 and every engine rank in one process
+  group (`init_update_group` / `join_update_group`), each bucket broadcast tensor by tensor or
+  flattened into one uint8 buffer (`broadcast_bucket` / `receive_bucket`);
+  `init_weights_update_group_all` and `update_weights_distributed` drive the engines' HTTP
+  calls and the trainer's side together. The same helpers run over gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from .protocol import bucketize
+
+
+def encode_torch_payload(named_tensors: list[tuple[str, Any]]) -> str:
+    """The embedded server's `serialized_named_tensors` entry: base64(torch.save(list))."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named_tensors], buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def decode_torch_payload(entry: str | bytes) -> list[tuple[str, Any]]:
+    import torch
+
+    data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
+    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    return [(str(n), t) for n, t in obj]
+
+
+def _device_uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def serialize_ipc(named_tensors: Sequence[tuple[str, Any]]) -> bytes:
+    """Pickle (name, tensor) pairs the way SGLang's /update_weights_from_tensor reads them:
+    torch's multiprocessing reductions (CUDA tensors travel as IPC handles, not data), with
+    the CUDA device index replaced by the device UUID, since the server process numbers
+    its visible GPUs differently (SGLang's patched rebuild accepts a UUID there)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    reductions.init_reductions()
+
+    def reduce_cuda(t: Any) -> Any:
+        fn, args = reductions.reduce_tensor(t)
+        if fn is reductions.rebuild_cuda_tensor:
+            args = list(args)
+            # rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, device, ...)
+            args[6] = _device_uuid(int(args[6]))
+            args = tuple(args)
+        return fn, args
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)  # its dispatch table is a per-instance copy
+    pickler.dispatch_table[torch.Tensor] = reduce_cuda
+    pickler.dispatch_table[torch.nn.Parameter] = reduce_cuda
+    pickler.dump([(n, t.detach()) for n, t in named_tensors])
+    return buf.getvalue()
+
+
+def load_ipc(data: bytes) -> list[tuple[str, Any]]:
+    """Inverse of `serialize_ipc` in another process (what SGLang's server does): device
+    UUIDs are mapped back to this process's CUDA device indices. For tests and tools."""
+    import pickle
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    by_uuid = {_device_uuid(i): i for i in range(torch.cuda.device_count())}
+    original = reductions.rebuild_cuda_tensor
+
+    def rebuild(*args: Any) -> Any:
+        args = list(args)
+        if isinstance(args[6], str):
+            args[6] = by_uuid[args[6]]
+        return original(*args)
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
+                return rebuild
+            return super().find_class(module, name)
+
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bucket_metadata(bucket: Sequence[tuple[str, Any]]) -> tuple[list[str], list[str], list[list[int]]]:
+    return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
+
+
+def order_for_flattening(bucket: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Largest element size first, so every tensor's byte offset in the flattened bucket is
+    a multiple of its element size (the receiver checks alignment)."""
+    return sorted(bucket, key=lambda nt: -nt[1].element_size())
+
+
+def _new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               backend: str, timeout_s: float) -> Any:
+    """A process group outside torch's default group, rendezvousing over TCP exactly like
+    SGLang's `init_weights_update_group` (tcp:// store, keys prefixed by the group name)."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    kwargs: dict[str, Any] = {"group_name": group_name, "timeout": timeout}  # also a store key prefix
+    kwargs["backend_options" if "backend_options" in params else "pg_options"] = None
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store, **kwargs)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def init_update_group(master_address: str, master_port: int, world_size: int, *,
+                      group_name: str = "weight_update_group", backend: str = "nccl",
+                      timeout_s: float = 600.0) -> Any:
+    """Trainer side (rank 0) of the weight broadcast group; blocks until every engine rank
+    has joined (run it while the engines' /init_weights_update_group calls are pending)."""
+    return _new_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+
+
+def join_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
+                      group_name: str = "weight_update_group", backend: str = "gloo",
+                      timeout_s: float = 600.0) -> Any:
+    """Engine side (used by the embedded server; SGLang has its own)."""
+    return _new_group(master_address, master_port, rank, world_size, group_name, backend, timeout_s)
+
+
+def _broadcast(t: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast(t, group=group, group_src=0)
+
+
+def broadcast_bucket(group: Any, bucket: Sequence[tuple[str, Any]], *, flattened: bool = False) -> None:
+    """Trainer side: send one bucket from rank 0, in bucket order (one broadcast per tensor,
+    or one uint8 broadcast of the concatenated bytes when `flattened`; pass the bucket
+    through `order_for_flattening` first, and the same order to the engines)."""
+    import torch
+
+    if flattened:
+        flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+        _broadcast(flat, group)
+        return
+    for _, t in bucket:
+        _broadcast(t.detach().contiguous(), group)
+
+
+def receive_bucket(group: Any, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
+                   flattened: bool = False, device: str = "cpu") -> list[tuple[str, Any]]:
+    """Engine side of `broadcast_bucket`."""
+    import math
+
+    import torch
+
+    dts = [getattr(torch, d) for d in dtypes]
+    if flattened:
+        sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dts)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        _broadcast(flat, group)
+        out, offset = [], 0
+        for n, s, d, size in zip(names, shapes, dts, sizes):
+            out.append((n, flat[offset:offset + size].view(d).view(*s).clone()))
+            offset += size
+        return out
+    out = []
+    for n, s, d in zip(names, shapes, dts):
+        t = torch.empty(tuple(s), dtype=d, device=device)
+        _broadcast(t, group)
+        out.append((n, t))
+    return out
+
+
+def destroy_update_group(group: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 (not registered with the default group's bookkeeping)
+        pass
+
+
+async def init_weights_update_group_all(engines: Sequence[Any], master_address: str, master_port: int, *,
+                                        tp_sizes: Sequence[int] | None = None,
+                                        group_name: str = "weight_update_group", backend: str = "nccl",
+                                        timeout_s: float = 600.0) -> Any:
+    """Trainer rank 0 + every engine's ranks in one group: engine i gets rank offset
+    1 + sum(tp of engines before it). Returns the trainer's group handle."""
+    tp_sizes = list(tp_sizes or [getattr(e, "tp_size", 1) for e in engines])
+    world = 1 + sum(tp_sizes)
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+    calls = [asyncio.ensure_future(e.init_weights_update_group(master_address, master_port, off, world,
+                                                               group_name=group_name, backend=backend))
+             for e, off in zip(engines, offsets)]
+    group = await asyncio.to_thread(init_update_group, master_address, master_port, world, group_name=group_name,
+                                    backend=backend, timeout_s=timeout_s)
+    await asyncio.gather(*calls)
+    return group
+
+
+async def update_weights_distributed(engines: Sequence[Any], group: Any, named_tensors: Sequence[tuple[str, Any]], *,
+                                     bucket_bytes: int | None, group_name: str = "weight_update_group",
+                                     flattened: bool = False, weight_version: str | None = None) -> None:
+    """Per bucket: every engine's /update_weights_from_distributed call goes out, then the
+    trainer broadcasts the bucket, then the calls are awaited."""
+    buckets = list(bucketize(named_tensors, bucket_bytes))
+    for i, bucket in enumerate(buckets):
+        if flattened:
+            bucket = order_for_flattening(bucket)
+        names, dtypes, shapes = bucket_metadata(bucket)
+        last = i == len(buckets) - 1
+        calls = [asyncio.ensure_future(e.update_weights_from_distributed(
+            names, dtypes, shapes, group_name=group_name, flush_cache=last,
+            weight_version=weight_version if last else None,
+            load_format="flattened_bucket" if flattened else None)) for e in engines]
+        try:
+            await asyncio.to_thread(broadcast_bucket, group, bucket, flattened=flattened)
+        finally:
+            await asyncio.gather(*calls)
