@@ -12,7 +12,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6"
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help setup train test test-all lint bench plan clean
+.PHONY: help setup train test test-all lint bench plan sglang-contract clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -44,6 +44,15 @@ bench: setup ## benchmarks; results land in bench/results/ with the command that
 
 plan: setup ## print the rank layout and memory estimate: make plan ARGS='experiment=geo3k_qwen35'
 	$(PY) -m vlmrl.plan $(ARGS)
+
+# the SGLang version sglang_flags.txt records (override: make sglang-contract SGLANG_VERSION=0.5.24)
+SGLANG_VERSION ?= $(shell sed -n 's/^# sglang version: //p' vlmrl/rollout/sglang_flags.txt)
+
+sglang-contract: setup ## regenerate sglang_flags.txt and sglang_contract.json from the SGLang wheel (downloaded)
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
+	$(PY) -m pip download -q --no-deps "sglang==$(SGLANG_VERSION)" -d "$$d" && \
+	$(PY) -m vlmrl.rollout.sglang flags --source "$$d"/sglang-*.whl --out vlmrl/rollout/sglang_flags.txt && \
+	$(PY) -m vlmrl.rollout.sglang contract --source "$$d"/sglang-*.whl --out vlmrl/rollout/sglang_contract.json
 
 clean: ## remove the virtualenv and caches (runs/ is kept)
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 from .config.schema import VlmrlConfig
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -91,37 +94,43 @@ def rollout_prompt(prompt: Any) -> Any:
 
 
 def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any], advantages: list[float],
-                  vision_token_ids: set[int]) -> tuple[list[Any], int]:
+                  vision_token_ids: set[int]) -> tuple[list[Any], dict[str, int]]:
     """TrainSamples of rollout records: the processor's prompt tokens (image placeholders
     expanded exactly as in rollout) followed by the generated tokens.
 
-    A response that contains a vision token (an image placeholder the model emitted) cannot
-    be trained on: the placeholder would claim image features that do not exist. Such
-    samples are left out and counted (second return value)."""
+    Samples that cannot be trained on are left out and counted by reason (second return
+    value): `vision_token` (the response contains an image placeholder the model emitted,
+    which would claim image features that do not exist) and `prompt_mismatch` (the engine
+    tokenised the prompt differently from the trainer: other image pixel bounds or chat
+    template; its logprobs belong to another sequence)."""
     from .data.prompts import encode_prompt
     from .training.batch import TrainSample
 
     encoded: dict[int, dict[str, Any]] = {}
     out = []
-    invalid = 0
+    skipped = {"vision_token": 0, "prompt_mismatch": 0}
     for rec, adv in zip(records, advantages):
         if rec.prompt_index not in encoded:
             encoded[rec.prompt_index] = encode_prompt(processor, prompts[rec.prompt_index])
         enc = encoded[rec.prompt_index]
         ids, resp = enc["input_ids"], list(rec.response_ids)
         if rec.prompt_ids is not None and list(rec.prompt_ids) != ids:
-            raise RuntimeError(f"prompt {rec.prompt_index}: the engine tokenised the prompt differently from the "
-                               "trainer (check data.min_pixels/max_pixels and the chat template)")
+            if not skipped["prompt_mismatch"]:
+                log.warning("row %s: the engine tokenised the prompt into %d tokens, the trainer into %d (check "
+                            "data.min_pixels/max_pixels and the chat template); skipping such samples",
+                            rec.prompt_index, len(rec.prompt_ids), len(ids))
+            skipped["prompt_mismatch"] += 1
+            continue
         if not resp:
             continue
         if vision_token_ids.intersection(resp):
-            invalid += 1
+            skipped["vision_token"] += 1
             continue
         out.append(TrainSample(
             input_ids=ids + resp, loss_mask=[0.0] * len(ids) + [1.0] * len(resp),
             pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"], advantage=float(adv),
             rollout_logprobs=list(rec.logprobs) if rec.logprobs is not None else None))
-    return out, invalid
+    return out, skipped
 
 
 def sft_samples(processor: Any, prompts: list[Any]) -> list[Any]:
@@ -157,6 +166,7 @@ class Loop:
         self.state = LoopState()
         self._next: tuple[list[Any], Any, float] | None = None  # async: the overlapped rollout
         self._data_before_next: dict[str, int] | None = None
+        self.engine_version: str | None = None  # the weight_version last synced to the engines
 
     # ------------------------------------------------------------ components
     def _setup(self) -> None:
@@ -197,7 +207,7 @@ class Loop:
             self.sglang = asyncio.run(launch_sglang_engines(
                 cfg.rollout, cfg.hardware, cfg.model, compute_layout(cfg).engines(cfg), run_dir=self.run_dir,
                 model_path=self.model_path, colocate=cfg.cluster.colocate, cpus_per_actor=cfg.cluster.cpus_per_actor,
-                seed=cfg.seed))
+                seed=cfg.seed, data=cfg.data))
             engines = self.sglang.generation  # the router when there is one
             self.admin_engines = self.sglang.engines  # every server: memory, cache, weights
             self.engine_actors = [e.base_url for e in self.sglang.engines]  # weight-sync targets
@@ -209,6 +219,17 @@ class Loop:
                 min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
                 max_batch_size=cfg.rollout.embedded.max_batch_size)
             self.engine_actors, engines = [actor], [RayEngine(actor, "embedded-0")]
+            if cfg.rollout.embedded.serve_http:  # SGLang's protocol end to end
+                import ray
+
+                from .rollout.client import HTTPEngine
+
+                self._embedded_actor = actor  # keeps the server's actor alive
+                url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port))
+                engines = [HTTPEngine(url, name="embedded-0", max_concurrency=cfg.rollout.max_in_flight,
+                                      timeout_s=cfg.rollout.request_timeout_s,
+                                      max_retries=cfg.rollout.max_retries)]
+                self.engine_actors = [url]
             self.admin_engines = engines
         self.engines = engines
         progress = cfg.logger.progress
@@ -261,8 +282,13 @@ class Loop:
     def _engines_call(self, method: str, *args: Any) -> None:
         import asyncio
 
+        from .rollout.manager import close_sessions
+
         async def call_all() -> None:
-            await asyncio.gather(*(getattr(e, method)(*args) for e in self.admin_engines))
+            try:
+                await asyncio.gather(*(getattr(e, method)(*args) for e in self.admin_engines))
+            finally:
+                await close_sessions(self.admin_engines)
 
         asyncio.run(call_all())
 
@@ -270,6 +296,7 @@ class Loop:
         t0 = time.perf_counter()
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
         self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket, weight_version=version)
+        self.engine_version = version  # every sample generated from now on should report it
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------ phases
@@ -319,6 +346,11 @@ class Loop:
     def rl_step(self) -> dict[str, float]:
         from .algo import compute_advantages
         from .logging import keys as mk
+        from .rollout.protocol import (
+            COLOCATED_RELEASE,
+            COLOCATED_RESUME_AFTER_SYNC,
+            COLOCATED_RESUME_BEFORE_SYNC,
+        )
 
         cfg, state = self.cfg, self.state
         n = cfg.algo.n_samples_per_prompt
@@ -334,27 +366,31 @@ class Loop:
             # have now: its samples are one step off-policy
             self._data_before_next = self.train_data.state_dict()
             pending = self._executor.submit(self._rollout, state.step + 1)
+        # samples from weights other than the trainer's current ones (async: all of them; a
+        # sync that did not reach an engine shows here too)
+        stale = sum(r.weight_version != self.engine_version for r in batch.records) if self.engine_version else 0
         by_index = {p.index: p for p in prompts}
-        records = sorted(batch.records, key=lambda r: (r.prompt_index, r.sample_index))
+        records = sorted(batch.records, key=lambda r: (r.group_index, r.sample_index))
         rewards = self.pool.score([r.text for r in records], [by_index[r.prompt_index].answer for r in records])
         advantages = compute_advantages(cfg.algo.advantage_estimator, rewards, n,
                                         reward_dtype=cfg.algo.reward_dtype).tolist() if records else []
         m = cfg.model
-        samples, invalid = train_samples(self.processor, by_index, records, advantages,
+        samples, skipped = train_samples(self.processor, by_index, records, advantages,
                                          {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
 
         t_train = time.perf_counter()
-        if cfg.cluster.colocate:  # the engines give their GPU memory (weights, KV cache) to the trainer ...
-            self._engines_call("release_memory_occupation", None)
+        if cfg.cluster.colocate:  # the engines give their GPU memory (weights, KV cache, graphs) to the trainer ...
+            self._engines_call("release_memory_occupation", list(COLOCATED_RELEASE))
         gbs = cfg.trainer.global_batch_size
         steps = max(len(samples) // gbs, 1) if samples else 0
         per = -(-len(samples) // steps) if steps else 0
         order = list(range(len(samples)))
         random.Random(cfg.seed + state.step).shuffle(order)
-        if cfg.cluster.async_rollout:  # PPO's old policy is the (older) one that generated the samples
-            for s in samples:
-                s.old_logprobs = s.rollout_logprobs
-        elif steps > 1:  # PPO's old policy: the weights that generated the rollout, before any update
+        if cfg.cluster.async_rollout or steps > 1:
+            # PPO's old policy: the trainer's weights before this step's first update. In async
+            # mode the samples came from the weights of one sync earlier: the engine's logprobs
+            # stay the rollout's, so TIS (algo.tis) weighs old / rollout and
+            # train/train_rollout_logprob_abs_diff measures that gap.
             for s, lp in zip(samples, self.trainer.logprobs(samples)):
                 s.old_logprobs = lp.tolist()
         train_metrics: list[dict[str, float]] = []
@@ -362,18 +398,18 @@ class Loop:
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
             train_metrics.append(self.trainer.train_step(chunk))
         if cfg.cluster.colocate:  # ... take the weights' memory back to receive the new weights ...
-            self._engines_call("resume_memory_occupation", ["weights"])
+            self._engines_call("resume_memory_occupation", list(COLOCATED_RESUME_BEFORE_SYNC))
         train_time = time.perf_counter() - t_train
         if pending is not None:  # engines finish the overlapped rollout before taking new weights
             self._next = pending.result()
         sync_time = self._sync_weights(f"step-{state.step + 1}")
-        if cfg.cluster.colocate:  # ... and the KV cache only once the sync's buffers are gone
-            self._engines_call("resume_memory_occupation", ["kv_cache"])
+        if cfg.cluster.colocate:  # ... and the graphs and KV cache only once the sync's buffers are gone
+            self._engines_call("resume_memory_occupation", list(COLOCATED_RESUME_AFTER_SYNC))
         state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
 
         metrics = rollout_metrics(records, rewards)
         last = train_metrics[-1] if train_metrics else {}
-        for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl",
+        for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl", "tis_mean",
                     "train_rollout_logprob_abs_diff"):
             if key in last:
                 metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
@@ -385,7 +421,9 @@ class Loop:
             mk.PERF_ROLLOUT_TIME: t_rollout, mk.PERF_TRAIN_TIME: train_time, mk.PERF_UPDATE_WEIGHTS_TIME: sync_time,
             mk.PERF_STEP_TIME: step_time, mk.PERF_TOKENS_PER_GPU_PER_SEC: tokens / max(step_time, 1e-9) / devices,
             "rollout/dropped_groups": batch.stats.dropped_groups,
-            "rollout/invalid_samples": invalid,
+            "rollout/stale_samples": stale,
+            "rollout/invalid_samples": skipped["vision_token"],
+            "rollout/prompt_mismatch_samples": skipped["prompt_mismatch"],
             "rollout/reward_timeouts": self.pool.stats.timeouts,
             "data/skipped_rows": self.train_data.skips.total,
         })
@@ -398,12 +436,15 @@ class Loop:
         from .cluster.placement import create_placement
         from .cluster.ray_cluster import ray_cluster
         from .cluster.trainer_group import TrainerGroup
+        from .config import config_notes
         from .config.layout import compute_layout
         from .logging import MetricsLogger
         from .logging.console import library_log, quiet_libraries
 
         cfg = self.cfg
         quiet_libraries(library_log(self.run_dir))  # notices to the run dir's log, not the screen
+        for note in config_notes(cfg):
+            print(f"note: {note}")
         self._setup()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         total = cfg.num_steps + cfg.algo.sft_steps

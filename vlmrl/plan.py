@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from .cli import hydra_entry
-from .config import ConfigError, VlmrlConfig, compute_layout, to_dataclass, validate
+from .config import ConfigError, VlmrlConfig, compute_layout, config_notes, to_dataclass, validate
 from .config.memory import GIB, count_params, estimate_memory, sequence_length
 
 
@@ -100,6 +100,8 @@ def render_plan(cfg: VlmrlConfig) -> str:
     if total_dev and mem.train_total > 0.95 * total_dev:
         console.print(f"  [bold]warning[/]: the training phase needs about {_gib(mem.train_total)} "
                       f"of {_gib(total_dev)}")
+    for note in config_notes(cfg):
+        console.print(f"[bold]note[/] {note}")
     return out.getvalue()
 
 

@@ -97,7 +97,7 @@ def test_embedded_cuda_release_frees_the_weights(cuda_engine):
     assert torch.cuda.memory_allocated() <= allocated - 0.9 * weights
     assert all(p.device.type == "cpu" for p in e.model.parameters())
     asyncio.run(e.resume_memory_occupation(["weights"]))
-    asyncio.run(e.resume_memory_occupation(["kv_cache"]))
+    asyncio.run(e.resume_memory_occupation(["cuda_graph", "kv_cache"]))
     assert all(p.device.type == "cuda" for p in e.model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in e.model.state_dict().items())
     assert asyncio.run(e.health())

@@ -12,7 +12,14 @@ import torch
 
 from vlmrl.data.images import encode_data_uri as encode_image_data_uri
 from vlmrl.rollout.embedded import EmbeddedEngine
-from vlmrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from vlmrl.rollout.protocol import (
+    COLOCATED_RELEASE,
+    COLOCATED_RESUME_AFTER_SYNC,
+    COLOCATED_RESUME_BEFORE_SYNC,
+    EngineError,
+    GenerateRequest,
+    SamplingParams,
+)
 
 TOL = 1e-5
 
@@ -209,11 +216,14 @@ def test_weight_update_release_resume(engine, images):
         changed = [(n, v * 1.5) for n, v in originals if ".layers." in n]
         with pytest.raises(EngineError, match="resume"):  # weights released: no update
             asyncio.run(engine.update_weights_from_tensor(changed, weight_version="v1"))
-        # the colocated order: weights back, update, then the KV cache
-        asyncio.run(engine.resume_memory_occupation(["weights"]))
+        # the colocated order: weights back, update, then the CUDA graphs and the KV cache
+        asyncio.run(engine.resume_memory_occupation(list(COLOCATED_RESUME_BEFORE_SYNC)))
         asyncio.run(engine.update_weights_from_tensor(changed, bucket_bytes=64 << 10, weight_version="v1"))
         assert isinstance(engine.generate_sync([req])[0], EngineError)  # the KV cache is still released
         asyncio.run(engine.resume_memory_occupation(["kv_cache"]))
+        assert isinstance(engine.generate_sync([req])[0], EngineError)  # so are the CUDA graphs
+        assert set(COLOCATED_RELEASE) == {*COLOCATED_RESUME_BEFORE_SYNC, *COLOCATED_RESUME_AFTER_SYNC}
+        asyncio.run(engine.resume_memory_occupation(["cuda_graph"]))
         assert asyncio.run(engine.health())
         with pytest.raises(ValueError, match="unknown memory tags"):
             asyncio.run(engine.release_memory_occupation(["activations"]))

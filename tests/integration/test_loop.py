@@ -169,21 +169,50 @@ def test_sft_algorithm_runs_through_the_same_entry(tmp_path, cache_dir):
 
 def test_async_rollout_trains_one_step_off_policy(tmp_path, cache_dir):
     """With cluster.async_rollout the next rollout overlaps training: from step 2 on the
-    samples come from the policy before the last update (PPO's ratio moves off 1), while
-    the synchronous run is exactly on-policy (one optimizer step per rollout)."""
+    samples come from the weights before the last update. PPO's old policy is recomputed by
+    the trainer (so one optimizer step per rollout stays exactly on-policy: ppo_kl 0), and
+    the off-policy gap shows where it belongs: the train/rollout logprob mismatch and the
+    TIS weights move off their on-policy values, which the synchronous run keeps."""
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
 
-    one_step = ["trainer.global_batch_size=16", "save_hf=false", "num_steps=3", "algo.sft_steps=1"]
+    one_step = ["trainer.global_batch_size=16", "save_hf=false", "num_steps=3", "algo.sft_steps=1", "algo.tis=true"]
     train(_config(tmp_path / "async", cache_dir, [*one_step, "cluster.async_rollout=true"]))
     train(_config(tmp_path / "sync", cache_dir, one_step))
     rows = {name: [r for r in read_metrics(tmp_path / name) if "rl_step" in r] for name in ("async", "sync")}
     assert [r["rl_step"] for r in rows["async"]] == [1, 2, 3]
-    assert all(r["train/ppo_kl"] == 0.0 for r in rows["sync"])
-    kl = [abs(r["train/ppo_kl"]) for r in rows["async"]]
-    # the first rollout precedes any update: old = rollout logprobs, equal up to numerics
-    assert kl[0] < 1e-6, kl
-    assert max(kl[1:]) > 100 * max(kl[0], 1e-9), kl
+    for name in ("async", "sync"):
+        assert all(r["train/ppo_kl"] == 0.0 for r in rows[name]), name
+    diff = {name: [r["train/train_rollout_logprob_abs_diff"] for r in rows[name]] for name in rows}
+    tis = {name: [abs(r["train/tis_mean"] - 1.0) for r in rows[name]] for name in rows}
+    # engine vs trainer numerics only: the same weights generated and scored
+    assert max(diff["sync"]) < 1e-4 and diff["async"][0] < 1e-4, diff
+    assert max(tis["sync"]) < 1e-3 and tis["async"][0] < 1e-3, tis
+    # one step off-policy: the rollout's weights are one update behind the trainer's
+    assert min(diff["async"][1:]) > 20 * max(diff["sync"]), diff
+    assert min(tis["async"][1:]) > 1e-3, tis
+    # the engines report the weight version of each sample: staleness is tracked
+    samples = 4 * 4  # rollout.batch_size x n_samples_per_prompt
+    assert [r["rollout/stale_samples"] for r in rows["sync"]] == [0, 0, 0]
+    assert [r["rollout/stale_samples"] for r in rows["async"]] == [0, samples, samples]
+
+
+def test_loop_drives_the_embedded_engine_over_sglang_protocol(tmp_path, cache_dir):
+    """rollout.embedded.serve_http: generation, memory calls and the weight sync go through
+    the SGLang client and protocol (the broadcast group over gloo for engines on their own
+    devices), as with SGLang servers. Each sync carries its weight version, and the engine's
+    logprobs match the trainer's after it."""
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+
+    train(_config(tmp_path, cache_dir, ["rollout.embedded.serve_http=true", "cluster.num_cpu_ranks=2",
+                                        "save_hf=false"]))
+    rows = [r for r in read_metrics(tmp_path) if "rl_step" in r]
+    assert [r["rl_step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/stale_samples"] == 0 and r["rollout/dropped_groups"] == 0
+        assert r["rollout/prompt_mismatch_samples"] == 0
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
 def test_placement_bundles_follow_the_layout():

@@ -23,7 +23,7 @@ from vlmrl.data.images import encode_data_uri as encode_image_data_uri
 from vlmrl.models.names import to_checkpoint_name
 from vlmrl.rollout.client import HTTPEngine
 from vlmrl.rollout.embedded import EmbeddedEngine
-from vlmrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+from vlmrl.rollout.protocol import MEMORY_TAGS, EngineError, GenerateRequest, SamplingParams
 from vlmrl.rollout.server import ThreadedServer
 
 TOL = 1e-5
@@ -253,9 +253,21 @@ def test_control_endpoints(engine, server):
             assert not await client.health()
             with pytest.raises(EngineError):
                 await client.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
+            # no tags released everything, CUDA graphs included (SGLang's default)
+            assert engine.released_tags == set(MEMORY_TAGS) == {"weights", "kv_cache", "cuda_graph"}
             await client.resume_memory_occupation(["weights"])  # SGLang's tags, in its JSON body
-            assert not await client.health() and engine.released_tags == {"kv_cache"}
+            assert not await client.health() and engine.released_tags == {"kv_cache", "cuda_graph"}
             await client.resume_memory_occupation(["kv_cache"])
+            assert not await client.health()  # a graph replay would read freed memory: refused
+            with pytest.raises(EngineError, match="released"):
+                await client.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
+            with pytest.raises(EngineError, match="not released"):  # resuming twice fails, as in SGLang
+                await client.resume_memory_occupation(["kv_cache"])
+            await client.resume_memory_occupation(["cuda_graph"])
+            assert await client.health()
+            await client.release_memory_occupation([])  # an empty list means all tags too
+            assert engine.released_tags == set(MEMORY_TAGS)
+            await client.resume_memory_occupation(None)
             assert await client.health()
             with pytest.raises(ValueError, match="unknown memory tags"):
                 await client.release_memory_occupation(["activations"])
@@ -305,3 +317,72 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_weight_payloads_are_one_per_engine_rank(engine, server):
+    """SGLang's TP rank i reads serialized_named_tensors[i]; CUDA-IPC payloads must each be
+    made on the GPU that rank reads, so the client never replicates one IPC payload."""
+    import torch
+
+    from vlmrl.rollout.weights import payload_sources, serialize_payload
+
+    bucket = [("model.norm.weight", torch.ones(4))]
+    ipc = HTTPEngine(server.url, tensor_format="ipc", tp_size=2)
+    with pytest.raises(ValueError, match="one payload per rank"):
+        _run(ipc.update_weights_from_tensor(bucket))
+    with pytest.raises(ValueError, match="same CUDA-IPC payload"):
+        _run(ipc.update_weights_from_serialized(["aGFuZGxl", "aGFuZGxl"]))
+    with pytest.raises(ValueError, match="1 serialized payloads for an engine of tp_size 2"):
+        _run(ipc.update_weights_from_serialized(["aGFuZGxl"]))
+    # colocated engines: each engine rank's payload comes from the trainer rank on its device
+    assert payload_sources(range(4), 0, 2, 2) == [[0, 1], [2, 3]]
+    assert payload_sources([3, 2, 1, 0], 0, 1, 4) == [[3, 2, 1, 0]]
+    with pytest.raises(ValueError, match="engine 1 rank 0 is on device 4"):
+        payload_sources(range(4), 2, 2, 2)
+    # the embedded server is one rank: it loads entry 0, and the version rides on the call
+    original = engine.model.model.language_model.norm.weight.detach().clone()
+    client = HTTPEngine(server.url)
+    try:
+        _run(client.update_weights_from_serialized([serialize_payload([("model.norm.weight", original * 2)],
+                                                                      "torch_save")], weight_version="v-rank"))
+        assert engine.weight_version == "v-rank"
+        assert torch.equal(engine.model.model.language_model.norm.weight, original * 2)
+    finally:
+        _run(engine.update_weights_from_tensor([("model.norm.weight", original)], weight_version="0"))
+
+
+def test_rank_payloads_are_gathered_in_engine_rank_order():
+    """Over gloo: every trainer rank serializes its own copy; rank 0 receives them per
+    engine in TP-rank order (each from the rank on that engine rank's device)."""
+    from _dist import gather_payloads_worker, run_in_processes
+
+    out = run_in_processes(gather_payloads_worker, 3, [[2, 0], [1]], [0, 1, 2], timeout_s=120)
+    assert out[0] == [[2.0, 0.0], [1.0]] and out[1] is None and out[2] is None
+    with pytest.raises(RuntimeError, match=r"trainer ranks \[1\] sent no weight payload"):
+        run_in_processes(gather_payloads_worker, 2, [[0, 1]], [0], timeout_s=120)
+
+
+def test_duplicate_request_ids_are_refused_like_sglang(engine, server):
+    """SGLang answers 400 "Duplicate request ID" for an id already in flight (or repeated in
+    one batch); the manager's ids stay unique when a batch draws the same row twice."""
+    from vlmrl.rollout.manager import RolloutManager, RolloutPrompt
+
+    text = _prompt(engine.processor, "Find x.")
+    body = {"text": [text, text], "rid": ["same", "same"], "sampling_params": {"max_new_tokens": 2}}
+    status, reply = _post(server.url + "/generate", body)
+    assert status == 400 and "Duplicate request ID detected: same" in reply["error"]["message"]
+    assert reply["error"]["retryable"] is False
+    status, _ = _post(server.url + "/generate", {"text": text, "rid": "same", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200  # the id was not left behind as in flight
+
+    img = _image(84, 84, (10, 200, 10))
+    row = RolloutPrompt(index=5, prompt_text=_prompt(engine.processor, "How long is AB?", 1), images=(img,))
+    other = RolloutPrompt(index=6, prompt_text=_prompt(engine.processor, "Find the angle."))
+    mgr = RolloutManager([HTTPEngine(server.url, max_retries=0)], n_samples=3, max_retries=0, progress=False,
+                         sampling=SamplingParams(temperature=1.0, max_new_tokens=8))
+    batch = mgr.run([row, other, row])  # an epoch boundary drew row 5 twice
+    assert batch.stats.dropped_groups == 0 and batch.stats.completed_groups == 3
+    groups = batch.groups()
+    assert sorted(groups) == [0, 1, 2] and [g[0].prompt_index for g in groups.values()] == [5, 6, 5]
+    first, second = ([tuple(r.response_ids) for r in groups[k]] for k in (0, 2))
+    assert first != second  # the second draw of the row gets its own seeds

@@ -70,7 +70,7 @@ def test_context_parallel_split_keeps_every_trained_token_once():
     assert torch.equal(picked, whole.targets[whole.loss_mask > 0].sort().values)
 
 
-def test_responses_with_vision_tokens_are_left_out_and_counted(monkeypatch):
+def test_untrainable_samples_are_left_out_and_counted_by_reason(monkeypatch):
     from types import SimpleNamespace
 
     import vlmrl.data.prompts
@@ -80,14 +80,18 @@ def test_responses_with_vision_tokens_are_left_out_and_counted(monkeypatch):
     monkeypatch.setattr(vlmrl.data.prompts, "encode_prompt", lambda processor, prompt: {
         "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
 
-    def record(i: int, ids: list[int]) -> SimpleNamespace:
-        return SimpleNamespace(prompt_index=0, sample_index=i, response_ids=ids, prompt_ids=None,
+    def record(i: int, ids: list[int], prompt_ids: list[int] | None = None) -> SimpleNamespace:
+        return SimpleNamespace(prompt_index=0, sample_index=i, response_ids=ids, prompt_ids=prompt_ids,
                                logprobs=[-1.0] * len(ids))
 
-    samples, invalid = train_samples(None, {0: object()}, [record(0, [7, 8]), record(1, [7, 5, 8]), record(2, [])],
-                                     [0.5, -0.5, 0.0], {5})
-    assert invalid == 1 and len(samples) == 1
+    # the engine cut the image into more tokens than the trainer (other pixel bounds): the
+    # sample is skipped and counted, the run goes on
+    records = [record(0, [7, 8]), record(1, [7, 5, 8]), record(2, []), record(3, [7], prompt_ids=[1, 2, 2, 3]),
+               record(4, [9], prompt_ids=[1, 2, 3])]
+    samples, skipped = train_samples(None, {0: object()}, records, [0.5, -0.5, 0.0, 1.0, 0.25], {5})
+    assert skipped == {"vision_token": 1, "prompt_mismatch": 1} and len(samples) == 2
     assert samples[0].input_ids == [1, 2, 3, 7, 8] and samples[0].loss_mask == [0, 0, 0, 1, 1]
+    assert samples[1].input_ids == [1, 2, 3, 9] and samples[1].advantage == 0.25
 
 
 def test_verifier_params_reject_parameters_the_verifier_does_not_take():

@@ -4,6 +4,8 @@ the HTTP payloads the client sends, checked against SGLang's request field names
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vlmrl.rollout.protocol import GenerateRequest, SamplingParams, request_to_sglang, result_from_sglang
@@ -125,9 +127,54 @@ def test_reference_recipe_moe_engine():
 
 
 def test_unknown_server_arg_fails_with_suggestions():
-    cfg = _cfg("h200", "+rollout.sglang.server_args.disable_radix_cach=true")
-    with pytest.raises(UnknownSGLangArg, match="disable_radix_cache"):
+    from vlmrl.config import ConfigError, load
+
+    bad = "+rollout.sglang.server_args.disable_radix_cach=true"
+    with pytest.raises(ConfigError, match=r"\[sglang-args\] rollout.sglang.server_args.disable_radix_cach: .*"
+                                          "did you mean disable_radix_cache"):
+        _cfg("h200", bad)
+    cfg = load(["hardware=h200", "rollout=sglang", "model=qwen2_5_vl_3b", "cluster.num_gpus=2", bad],
+               check_rules=False)
+    with pytest.raises(UnknownSGLangArg, match="disable_radix_cache"):  # the launcher checks again
         server_args(cfg.rollout, cfg.hardware, cfg.model, port=1)
+
+
+def test_server_arg_values_are_checked_against_sglang_choices():
+    from vlmrl.config import ConfigError
+    from vlmrl.config.validate import sglang_choices
+
+    lm_backends = FLAGS.fields["attention_backend"].choices  # a named list in SGLang's source, resolved
+    assert {"fa3", "flashinfer", "triton"} <= set(lm_backends)
+    args = server_args(_cfg("h200", "+rollout.sglang.server_args.attention_backend=fa3").rollout,
+                       _cfg("h200").hardware, _cfg("h200").model, port=1)
+    assert args["attention_backend"] == "fa3"
+    with pytest.raises(ConfigError, match=r"attention_backend='flash_attn' is not one of \['triton'"):
+        _cfg("h200", "+rollout.sglang.server_args.attention_backend=flash_attn")
+    # the vision tower's backend: every choice of the flag list is accepted, nothing else
+    mm = sglang_choices("mm_attention_backend")
+    assert mm == FLAGS.fields["mm_attention_backend"].choices and "fa4" in mm
+    for backend in mm:
+        _cfg("h200", f"hardware.sglang_mm_attention_backend={backend}")
+    with pytest.raises(ConfigError, match="hardware.sglang_mm_attention_backend='flash'"):
+        _cfg("b200", "hardware.sglang_mm_attention_backend=flash")
+
+
+def test_engine_images_and_seeds_follow_the_config():
+    from vlmrl.config import config_notes
+
+    cfg = _cfg("h200", "data.min_pixels=3136", "data.max_pixels=200704")
+    args = server_args(cfg.rollout, cfg.hardware, cfg.model, port=1, data=cfg.data)
+    # the engine's processor cuts images into as many tokens as the trainer's
+    assert args["mm_process_config"] == {"image": {"min_pixels": 3136, "max_pixels": 200704}}
+    flags = _parse(server_command(args))
+    assert json.loads(flags["--mm-process-config"][0]) == {"image": {"min_pixels": 3136, "max_pixels": 200704}}
+    # SGLang samples with sampling_seed only in its deterministic mode: off by default, and said so
+    assert "enable_deterministic_inference" not in args
+    assert any("deterministic_inference" in n for n in config_notes(cfg))
+    det = _cfg("h200", "rollout.sglang.deterministic_inference=true")
+    assert _parse(server_command(server_args(det.rollout, det.hardware, det.model, port=1)))[
+        "--enable-deterministic-inference"] == []
+    assert config_notes(det) == []
 
 
 def test_router_command():

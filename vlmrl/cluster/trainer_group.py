@@ -62,12 +62,12 @@ class TrainerWorker:
 
     def sync_weights(self, engines: Sequence[Any], bucket_bytes: int, weight_version: str | None = None) -> int:
         """Gather the weights (collective) and, on global rank 0, push every bucket to every
-        engine: embedded engine actors (Ray handles) or SGLang servers (URLs). Returns the
+        engine: embedded engine actors (Ray handles) or servers speaking SGLang's protocol (URLs). Returns the
         number of bytes sent per engine."""
         import ray
 
         if engines and isinstance(engines[0], str):
-            return self._sync_sglang(list(engines), bucket_bytes, weight_version)
+            return self._sync_http(list(engines), bucket_bytes, weight_version)
         sent = 0
         for bucket in self.trainer.iter_hf_weights(bucket_bytes):
             if self.rank == 0:
@@ -78,38 +78,57 @@ class TrainerWorker:
             ray.get([e.update_weights_from_tensor.remote([], None, True, weight_version) for e in engines])
         return sent
 
-    def _sync_sglang(self, urls: list[str], bucket_bytes: int, weight_version: str | None) -> int:
-        """SGLang: colocated engines read rank 0's GPU tensors through CUDA IPC handles
-        (/update_weights_from_tensor); engines on their own GPUs receive an NCCL broadcast
-        from rank 0 (/init_weights_update_group once, then /update_weights_from_distributed)."""
+    def _sync_http(self, urls: list[str], bucket_bytes: int, weight_version: str | None) -> int:
+        """SGLang's weight-sync protocol, to SGLang servers or to the embedded server over HTTP.
+
+        Colocated: every trainer rank that shares a device with an engine rank serializes its
+        own copy of each bucket (CUDA IPC handles to its GPU; host bytes on CPU), rank 0
+        gathers them and posts each engine one payload per TP rank, from the trainer rank on
+        that rank's device (/update_weights_from_tensor); every rank keeps its bucket alive
+        until the engines have read it. Separate devices: rank 0 and every engine rank form a
+        broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
+        (/update_weights_from_distributed). The last bucket flushes the engines' caches and
+        carries `weight_version`, which the engines report with every later sample."""
         import asyncio
 
-        from ..rollout import weights as sg
+        import torch.distributed as dist
+
+        from ..rollout import weights as wt
         from ..rollout.client import HTTPEngine
 
-        colocate = self.cfg.cluster.colocate
+        cfg = self.cfg
+        colocate = cfg.cluster.colocate
+        tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
+        fmt = "ipc" if colocate and cfg.hardware.device == "cuda" else "torch_save"
         if self.rank == 0 and getattr(self, "_http", None) is None:
             self._loop = asyncio.new_event_loop()
-            fmt = "ipc" if colocate else "torch_save"
-            self._http = [HTTPEngine(u, name=f"sglang-{i}", tensor_format=fmt,
-                                     tp_size=self.cfg.rollout.gpus_per_engine) for i, u in enumerate(urls)]
+            self._http = [HTTPEngine(u, name=f"engine-{i}", tensor_format=fmt, tp_size=tp)
+                          for i, u in enumerate(urls)]
             self._group = None
             if not colocate:
-                self._group = self._loop.run_until_complete(sg.init_weights_update_group_all(
-                    self._http, self.node_ip(), _free_port()))
+                self._group = self._loop.run_until_complete(wt.init_weights_update_group_all(
+                    self._http, self.node_ip(), _free_port(), backend=cfg.hardware.dist_backend))
+        sources: list[list[int]] = []
+        if colocate:
+            layout = compute_layout(cfg)
+            sources = wt.payload_sources(layout.trainer_devices, layout.rollout_device_offset, len(urls), tp)
+        senders = {r for ranks in sources for r in ranks}
         sent = 0
-        for bucket in self.trainer.iter_hf_weights(bucket_bytes):
-            if self.rank != 0:
-                continue
+        for bucket, last in wt.with_last(self.trainer.iter_hf_weights(bucket_bytes)):
+            version = weight_version if last else None
             if colocate:
-                calls = [e.update_weights_from_tensor(bucket, flush_cache=False) for e in self._http]
-                self._loop.run_until_complete(asyncio.gather(*calls))
-            else:
-                self._loop.run_until_complete(sg.update_weights_distributed(self._http, self._group, bucket,
-                                                                            bucket_bytes=None))
-            sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        if self.rank == 0:
-            self._loop.run_until_complete(asyncio.gather(*(e.flush_cache() for e in self._http)))
+                mine = wt.serialize_payload(bucket, fmt) if self.rank in senders else None
+                per_engine = wt.gather_rank_payloads(mine, sources)
+                if per_engine is not None:  # rank 0
+                    calls = [e.update_weights_from_serialized(payloads, flush_cache=last, weight_version=version)
+                             for e, payloads in zip(self._http, per_engine)]
+                    self._loop.run_until_complete(asyncio.gather(*calls))
+                dist.barrier()  # the engines have read every rank's copy: the bucket may go
+            elif self.rank == 0:
+                self._loop.run_until_complete(wt.update_weights_distributed(
+                    self._http, self._group, bucket, bucket_bytes=None, weight_version=version, final=last))
+            if self.rank == 0:
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return sent
 
     def export_hf(self) -> dict[str, Any] | None:
@@ -221,3 +240,4 @@ class TrainerGroup:
 
         for w in self.workers:
             ray.kill(w)
+

@@ -12,7 +12,7 @@ from .layout import Layout, compute_layout
 from .overrides import UnknownKeyError, check_key, check_overrides
 from .schema import GROUPS, VlmrlConfig
 from .store import register_configs, to_dataclass
-from .validate import ConfigError, Violation, check, validate
+from .validate import ConfigError, Violation, check, config_notes, validate
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -25,6 +25,7 @@ __all__ = [
     "Violation",
     "VlmrlConfig",
     "check",
+    "config_notes",
     "check_key",
     "check_overrides",
     "compose",

@@ -293,6 +293,10 @@ class SGLangConfig(Sealable):
     base_port: int = 15000
     log_level: str = "warning"
     startup_timeout_s: float = 900.0
+    # SGLang samples with each request's sampling_seed only under its deterministic
+    # inference mode (slower kernels); without it the same seed does not give the same
+    # samples, so rollouts are not reproducible and a resumed run draws new ones
+    deterministic_inference: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Passed verbatim to SGLang's ServerArgs (flag names as in ServerArgs fields).
     server_args: dict[str, Any] = field(default_factory=dict)
@@ -301,8 +305,12 @@ class SGLangConfig(Sealable):
 @dataclass
 class EmbeddedEngineConfig(Sealable):
     max_batch_size: int = 64
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: no HTTP server, Ray calls only; >0: also serve SGLang's protocol
+    # true: the loop drives the engine over SGLang's HTTP protocol, through the client, the
+    # weight sync (per-rank payloads, or a broadcast group over gloo) and the memory calls
+    # that SGLang servers get; false: direct Ray calls
+    serve_http: bool = False
+    host: str = "127.0.0.1"  # where the HTTP server listens ("auto": the actor's node address)
+    port: int = 0  # 0: a free port
 
 
 @dataclass

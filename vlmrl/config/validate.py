@@ -15,8 +15,14 @@ from dataclasses import dataclass
 from .layout import compute_layout, is_gdn_model, is_moe_model
 from .schema import VlmrlConfig
 
-# Values SGLang accepts for --mm-attention-backend (srt/server_args.py).
-SGLANG_MM_ATTENTION_BACKENDS = ("sdpa", "fa3", "triton_attn", "ascend_attn", "aiter_attn")
+
+def sglang_choices(field: str) -> tuple[str, ...]:
+    """The values SGLang accepts for a ServerArgs field, from the committed flag list
+    (`vlmrl/rollout/sglang_flags.txt`, generated from SGLang's source); empty: free."""
+    from ..rollout.sglang_flags import load_flags
+
+    return load_flags().fields[field].choices
+
 VISION_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 ENUMS: dict[str, tuple[object, ...]] = {
@@ -143,9 +149,10 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
             fail("hardware-backend", f"hardware.train_dtype={hw.train_dtype} needs cuda; CPU trains in float32")
     elif hw.dist_backend != "nccl":
         fail("hardware-backend", f"hardware.device=cuda needs dist_backend=nccl, got {hw.dist_backend}")
-    if hw.sglang_mm_attention_backend not in (None, *SGLANG_MM_ATTENTION_BACKENDS):
+    mm_backends = sglang_choices("mm_attention_backend")
+    if hw.sglang_mm_attention_backend not in (None, *mm_backends):
         fail("hardware-attention", f"hardware.sglang_mm_attention_backend={hw.sglang_mm_attention_backend!r} "
-             f"is not one of SGLang's {list(SGLANG_MM_ATTENTION_BACKENDS)}")
+             f"is not one of SGLang's {list(mm_backends)}")
     if not hw.fa3_supported:
         if hw.sglang_mm_attention_backend == "fa3":
             fail("hardware-attention", f"hardware={hw.name} has no FlashAttention 3: "
@@ -199,6 +206,14 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         if not 0 < r.sglang.mem_fraction_static < 1:
             fail("engine-memory", f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} "
                  "must be in (0, 1)")
+        from ..rollout.sglang_flags import load_flags
+
+        flags = load_flags()
+        for key, value in dict(r.sglang.server_args).items():
+            try:
+                flags.check_value(key, value)
+            except (KeyError, ValueError) as e:
+                fail("sglang-args", f"rollout.sglang.server_args.{key}: {e.args[0]}")
     if out:
         return out  # the layout below assumes sane device counts
 
@@ -282,6 +297,16 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if r.max_new_tokens < 1:
         fail("positive", f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
     return out
+
+
+def config_notes(cfg: VlmrlConfig) -> list[str]:
+    """Facts about a valid config that change what a run means (the plan and the start of
+    a run print them)."""
+    notes = []
+    if cfg.rollout.name == "sglang" and not cfg.rollout.sglang.deterministic_inference:
+        notes.append("SGLang ignores the per-sample seeds unless rollout.sglang.deterministic_inference=true: "
+                     "rollouts are not reproducible and a resumed run does not redraw the same samples")
+    return notes
 
 
 def validate(cfg: VlmrlConfig) -> VlmrlConfig:

@@ -17,10 +17,14 @@ train (averaged over the step's optimizer updates)
   train/pg_clipfrac             fraction of tokens where the ratio clip was active
   train/entropy                 mean token entropy of the policy
   train/grad_norm               gradient norm before clipping
-  train/ppo_kl                  mean (old logprob - new logprob) over response tokens
+  train/ppo_kl                  mean (old logprob - new logprob) over response tokens;
+                                old: the trainer's weights before the step's first update
   train/train_rollout_logprob_abs_diff
-                                mean |logp_train - logp_rollout|: the train/rollout
-                                mismatch (a growing gap has preceded collapses)
+                                mean |logp_old - logp_rollout|: the train/rollout
+                                mismatch (a growing gap has preceded collapses); engine
+                                numerics, plus one update of staleness in async mode
+  train/tis_mean                mean truncated importance weight min(exp(old - rollout), cap)
+                                (algo.tis)
 perf (seconds unless stated)
   perf/rollout_time             generation and reward scoring
   perf/train_time               logprob recomputation and optimizer steps
@@ -57,6 +61,7 @@ TRAIN_ENTROPY = "train/entropy"
 TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_PPO_KL = "train/ppo_kl"
 TRAIN_ROLLOUT_LOGPROB_ABS_DIFF = "train/train_rollout_logprob_abs_diff"
+TRAIN_TIS_MEAN = "train/tis_mean"
 
 PERF_ROLLOUT_TIME = "perf/rollout_time"
 PERF_TRAIN_TIME = "perf/train_time"
@@ -74,6 +79,7 @@ TRAIN_KEYS = (
     TRAIN_GRAD_NORM,
     TRAIN_PPO_KL,
     TRAIN_ROLLOUT_LOGPROB_ABS_DIFF,
+    TRAIN_TIS_MEAN,
 )
 PERF_KEYS = (
     PERF_ROLLOUT_TIME,

@@ -8,13 +8,13 @@ requests the server aborted). Client errors (HTTP 4xx) fail at once.
 Weight payloads depend on the server: `tensor_format="torch_save"` (the embedded server:
 base64 of torch.save'd (name, tensor) lists, tensors copied) or `"ipc"` (SGLang colocated
 on the same GPUs: CUDA IPC handles, see `vlmrl.rollout.weights.serialize_ipc`), with one
-entry per tensor-parallel rank of the engine.
+entry per tensor-parallel rank of the engine, each serialized on the GPU that rank reads
+(`update_weights_from_serialized`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import random
 import time
@@ -131,21 +131,23 @@ class HTTPEngine:
 
     # ----------------------------------------------------------------- generation
     async def generate_one(self, req: GenerateRequest) -> GenerateResult:
-        body = request_to_sglang(req)
         self.stats["requests"] += 1
         last: EngineError | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.stats["retries"] += 1
                 await asyncio.sleep(self._backoff(attempt - 1))
-            reply = await self._call("POST", "/generate", body, retries=self.max_retries - attempt)
-            if isinstance(reply, list):
-                reply = reply[0]
-            if not isinstance(reply, dict):
-                raise EngineError(f"/generate answered {str(reply)[:200]!r}", retryable=False)
+            # a retried request gets a fresh id: SGLang may still hold the aborted attempt's
+            # id and would refuse it as a duplicate (HTTP 400)
+            attempt_req = req if not attempt or req.rid is None else req.replace(rid=f"{req.rid}-a{attempt}")
             try:
+                reply = await self._call("POST", "/generate", request_to_sglang(attempt_req), retries=0)
+                if isinstance(reply, list):
+                    reply = reply[0]
+                if not isinstance(reply, dict):
+                    raise EngineError(f"/generate answered {str(reply)[:200]!r}", retryable=False)
                 return result_from_sglang(reply, rid=req.rid)
-            except EngineError as e:  # aborted by the server: retry
+            except EngineError as e:  # transport failures, 429/5xx, aborted requests: retry
                 last = e
                 if not e.retryable:
                     raise
@@ -156,17 +158,11 @@ class HTTPEngine:
         return list(await asyncio.gather(*(self.generate_one(r) for r in requests)))
 
     # ----------------------------------------------------------------- weights
-    def serialize(self, bucket: list[tuple[str, Any]]) -> list[str]:
-        """`serialized_named_tensors` for one bucket: one base64 string per TP rank."""
-        if self.tensor_format == "ipc":
-            from .weights import serialize_ipc
+    def serialize(self, bucket: list[tuple[str, Any]]) -> str:
+        """One entry of `serialized_named_tensors`: what one TP rank of the engine reads."""
+        from .weights import serialize_payload
 
-            entry = base64.b64encode(serialize_ipc(bucket)).decode()
-        else:
-            from .weights import encode_torch_payload
-
-            entry = encode_torch_payload(bucket)
-        return [entry] * self.tp_size
+        return serialize_payload(bucket, self.tensor_format)
 
     async def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = await self._call("POST", path, body, timeout_s=self.admin_timeout_s, retries=0)
@@ -174,19 +170,40 @@ class HTTPEngine:
             raise EngineError(f"{path} failed on {self.name}: {reply.get('message')}", retryable=False)
         return reply if isinstance(reply, dict) else {}
 
+    async def update_weights_from_serialized(self, payloads: Sequence[str], *, flush_cache: bool = True,
+                                             weight_version: str | None = None) -> None:
+        """/update_weights_from_tensor with one serialized payload per TP rank of the engine
+        (rank i loads `payloads[i]`). CUDA-IPC payloads must each come from the GPU that
+        rank reads: one payload shared by several ranks breaks the producer's IPC
+        reference counting, so identical IPC payloads are refused."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"{self.name}: {len(payloads)} serialized payloads for an engine of tp_size "
+                             f"{self.tp_size}; SGLang's rank i reads entry i")
+        if self.tensor_format == "ipc" and len(set(payloads)) != len(payloads):
+            raise ValueError(f"{self.name}: the same CUDA-IPC payload for several TP ranks; serialize each "
+                             "rank's copy on its own GPU (vlmrl.cluster.trainer_group gathers them)")
+        await self._checked("/update_weights_from_tensor", {
+            "serialized_named_tensors": list(payloads),
+            "load_format": None,
+            "flush_cache": bool(flush_cache),
+            "weight_version": weight_version,
+        })
+
     async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, Any]], *,
                                          bucket_bytes: int | None = None, flush_cache: bool = True,
                                          weight_version: str | None = None) -> None:
+        """Send weights held by this process. Host copies (`torch_save`) are read by every
+        rank from one payload; CUDA IPC needs one payload per rank, each from that rank's GPU,
+        so an IPC engine wider than one rank takes `update_weights_from_serialized`."""
+        if self.tensor_format == "ipc" and self.tp_size > 1:
+            raise ValueError(f"{self.name}: CUDA-IPC weights for tp_size {self.tp_size} need one payload per "
+                             "rank from that rank's GPU; use update_weights_from_serialized")
         buckets = list(bucketize(named_tensors, bucket_bytes))
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            payload = await asyncio.to_thread(self.serialize, bucket)
-            await self._checked("/update_weights_from_tensor", {
-                "serialized_named_tensors": payload,
-                "load_format": None,
-                "flush_cache": bool(flush_cache and last),
-                "weight_version": weight_version if last else None,
-            })
+            entry = await asyncio.to_thread(self.serialize, bucket)
+            await self.update_weights_from_serialized([entry] * self.tp_size, flush_cache=flush_cache and last,
+                                                      weight_version=weight_version if last else None)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, *, group_name: str = "weight_update_group",
@@ -233,7 +250,8 @@ class HTTPEngine:
             return False
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._call("GET", "/get_model_info", None)
+        """/model_info (SGLang deprecates /get_model_info and warns on every call)."""
+        return await self._call("GET", "/model_info", None)
 
     async def wait_healthy(self, timeout_s: float, *, poll_s: float = 1.0, is_alive: Any = None) -> None:
         """Poll /health until it answers 200; `is_alive()` False (a dead server process) or
@@ -247,6 +265,11 @@ class HTTPEngine:
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: not healthy after {timeout_s:.0f} s", retryable=False)
             await asyncio.sleep(poll_s)
+
+    async def close_session(self) -> None:
+        """Close this event loop's connection pool (callers that run each phase under its own
+        `asyncio.run` call it before the loop ends); the next call opens a new one."""
+        await self.close()
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

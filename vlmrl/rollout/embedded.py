@@ -466,7 +466,9 @@ class EmbeddedEngine:
         await asyncio.to_thread(self._resume, memory_tags(tags))
 
     def _release(self, tags: tuple[str, ...]) -> None:
-        """kv_cache: drop the prompt cache; weights: move the model to host memory (GPU)."""
+        """kv_cache: drop the prompt cache; weights: move the model to host memory (GPU);
+        cuda_graph: nothing to free here (no graphs), but generation waits for it as SGLang's
+        graph replay would."""
         import torch
 
         with self._lock:
@@ -480,7 +482,11 @@ class EmbeddedEngine:
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         with self._lock:
-            if "weights" in tags and "weights" in self.released_tags and self.device.type == "cuda":
+            missing = [t for t in tags if t not in self.released_tags]
+            if missing:  # SGLang fails the same way (it removes each tag from its released set)
+                raise ValueError(f"cannot resume memory tags {missing}: not released "
+                                 f"(released: {sorted(self.released_tags)})")
+            if "weights" in tags and self.device.type == "cuda":
                 self.model.to(self.device)
             self.released_tags.difference_update(tags)
 
@@ -571,8 +577,13 @@ class EmbeddedEngineActor:
         self._server: Any = None
 
     async def start_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve SGLang's protocol for this engine; host "auto": this node's address."""
         from .server import start_server
 
+        if host == "auto":
+            import ray
+
+            host = ray.util.get_node_ip_address()
         if self._server is None:
             self._server = await start_server(self.engine, host, port)
         return self._server.url

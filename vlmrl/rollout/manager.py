@@ -7,8 +7,9 @@ and shows a rich progress bar. Partial failures are handled explicitly: a failed
 is retried up to `max_retries` times with exponential backoff, on another engine when
 there is one; if it still fails, its whole group is dropped (its other requests are
 cancelled) and counted in `stats.dropped_groups` - a dropped group never reaches the
-scorer, so nothing is silently scored zero. Records come back sorted by (prompt index,
-sample index), complete groups only.
+scorer, so nothing is silently scored zero. Records come back in batch order (group,
+then sample), complete groups only; a row drawn twice in one batch makes two groups, with
+their own seeds and request ids.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import random
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,8 +50,9 @@ class RolloutPrompt:
 
 @dataclass
 class SampleRecord:
-    prompt_index: int
+    prompt_index: int  # the dataset row
     sample_index: int
+    group_index: int  # the prompt's position in the batch (a row drawn twice has two groups)
     prompt_ids: list[int] | None
     response_ids: list[int]
     text: str
@@ -93,21 +96,31 @@ class RolloutBatch:
     stats: RolloutStats
 
     def groups(self) -> dict[int, list[SampleRecord]]:
+        """Records by group (the prompt's position in the batch)."""
         out: dict[int, list[SampleRecord]] = defaultdict(list)
         for r in self.records:
-            out[r.prompt_index].append(r)
+            out[r.group_index].append(r)
         return dict(out)
 
 
-def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """A stable 31-bit seed per (run seed, step, prompt, sample)."""
-    h = hashlib.blake2b(f"{base_seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8)
+def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int, occurrence: int = 0) -> int:
+    """A stable 31-bit seed per (run seed, step, prompt, sample); `occurrence` counts earlier
+    draws of the same row in the batch, so a row drawn twice gets two different groups."""
+    key = f"{base_seed}/{step}/{prompt_index}/{sample_index}" + (f"/{occurrence}" if occurrence else "")
+    h = hashlib.blake2b(key.encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
 
 
+def request_id(prefix: str, step: int, group: int, prompt_index: int, sample_index: int) -> str:
+    """A request id unique within a run: SGLang refuses an id that is already in flight
+    (HTTP 400, "Duplicate request ID"), and a row can be drawn twice in one batch."""
+    return f"{prefix}-s{step}-g{group}-p{prompt_index}-n{sample_index}"
+
+
 class _Group:
-    def __init__(self, prompt: RolloutPrompt, n: int) -> None:
+    def __init__(self, prompt: RolloutPrompt, n: int, position: int) -> None:
         self.prompt = prompt
+        self.position = position
         self.results: list[tuple[GenerateResult, str, int] | None] = [None] * n
         self.dropped = False
         self.tasks: list[asyncio.Task] = []
@@ -144,6 +157,8 @@ class RolloutManager:
         self.progress = progress
         self._inflight = [0] * len(self.engines)
         self._rr = 0
+        # request ids: unique per manager (train and eval managers share engines) and run
+        self.rid_prefix = f"r{uuid.uuid4().hex[:8]}"
 
     @classmethod
     def from_config(cls, engines: Sequence[Engine], rollout: Any, *, n_samples: int, seed: int = 0,
@@ -182,7 +197,9 @@ class RolloutManager:
                 engine = self.engines[i]
                 self._inflight[i] += 1
                 try:
-                    call = engine.generate([req])
+                    # a retry gets its own id: the engine may still hold the failed attempt's
+                    call = engine.generate([req if not attempt or req.rid is None
+                                            else req.replace(rid=f"{req.rid}-r{attempt}")])
                     if self.request_timeout_s:
                         call = asyncio.wait_for(call, self.request_timeout_s)
                     result = (await call)[0]
@@ -234,20 +251,24 @@ class RolloutManager:
                 if progress is not None:
                     progress.advance(task_id)
 
+        seen: dict[int, int] = defaultdict(int)  # draws of each row so far in this batch
         try:
-            for p in prompts:
-                g = _Group(_as_prompt(p), n)
+            for position, p in enumerate(prompts):
+                g = _Group(_as_prompt(p), n, position)
                 groups.append(g)
+                index = int(g.prompt.index)
+                occurrence = seen[index]
+                seen[index] += 1
                 for j in range(n):
                     sp = base
                     if base.seed is None and not base.greedy:
-                        sp = _with_seed(base, sample_seed(self.seed, step, int(g.prompt.index), j))
+                        sp = _with_seed(base, sample_seed(self.seed, step, index, j, occurrence))
                     req = GenerateRequest(
                         text=g.prompt.prompt_text if g.prompt.prompt_ids is None else None,
                         input_ids=g.prompt.prompt_ids,
                         images=tuple(g.prompt.images),
                         sampling=sp,
-                        rid=f"s{step}-p{g.prompt.index}-n{j}",
+                        rid=request_id(self.rid_prefix, step, position, index, j),
                     )
                     g.tasks.append(asyncio.ensure_future(run(g, j, req)))
             await asyncio.gather(*(t for g in groups for t in g.tasks), return_exceptions=True)
@@ -277,6 +298,7 @@ class RolloutManager:
                 records.append(SampleRecord(
                     prompt_index=int(g.prompt.index),
                     sample_index=j,
+                    group_index=g.position,
                     prompt_ids=res.prompt_ids if res.prompt_ids is not None else (
                         list(g.prompt.prompt_ids) if g.prompt.prompt_ids is not None else None),
                     response_ids=list(res.output_ids),
@@ -294,8 +316,15 @@ class RolloutManager:
         return RolloutBatch(records, stats)
 
     def run(self, prompts: Sequence[Any], **kwargs: Any) -> RolloutBatch:
-        """Synchronous `generate` (its own event loop)."""
-        return asyncio.run(self.generate(prompts, **kwargs))
+        """Synchronous `generate` (its own event loop; HTTP engines' connections are closed
+        with it)."""
+        async def go() -> RolloutBatch:
+            try:
+                return await self.generate(prompts, **kwargs)
+            finally:
+                await close_sessions(self.engines)
+
+        return asyncio.run(go())
 
     def _progress(self, description: str, total: int) -> tuple[Any, Any]:
         if not self.progress or total == 0:
@@ -320,6 +349,12 @@ class RolloutManager:
 
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         await asyncio.gather(*(e.resume_memory_occupation(tags) for e in self.engines))
+
+
+async def close_sessions(engines: Sequence[Any]) -> None:
+    """Close the per-event-loop connection pools of the engines that keep one."""
+    await asyncio.gather(*(e.close_session() for e in engines if hasattr(e, "close_session")),
+                         return_exceptions=True)
 
 
 def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:

@@ -187,13 +187,14 @@ class Engine(Protocol):
         ...
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Give up device memory (colocated training): the `weights`, the `kv_cache`, or
-        both (None). Generation fails while the KV cache is released, weight updates
-        while the weights are."""
+        """Give up device memory (colocated training): any of MEMORY_TAGS (`weights`,
+        `kv_cache`, `cuda_graph`; None: all three, as in SGLang). Generation fails while
+        any is released, weight updates while the weights are."""
         ...
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        """Take the memory of `tags` back (None: everything released)."""
+        """Take the memory of `tags` back (None: all three). Resuming a tag that is not
+        released is an error, as in SGLang."""
         ...
 
     async def flush_cache(self) -> None: ...
@@ -204,13 +205,27 @@ class Engine(Protocol):
 
 
 # --------------------------------------------------------------------------- memory
-MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's release/resume_memory_occupation tags
+# SGLang's release/resume_memory_occupation tags (sglang/srt/constants.py). No tags (null or
+# an empty list) means every one of them, on release and on resume alike: a colocated
+# engine that was released without tags must get the CUDA graphs' memory back too, or the
+# next graph replay reads freed memory.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+# The colocated hand-over: release everything before training; after training take the
+# weights back first (the sync writes into them), then the CUDA graphs and the KV cache
+# once the sync's buffers are gone. The phases together cover MEMORY_TAGS exactly.
+COLOCATED_RELEASE: tuple[str, ...] = MEMORY_TAGS
+COLOCATED_RESUME_BEFORE_SYNC: tuple[str, ...] = ("weights",)
+COLOCATED_RESUME_AFTER_SYNC: tuple[str, ...] = ("cuda_graph", "kv_cache")
 
 
 def memory_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
-    """The tags a release/resume call covers (None: all); unknown tags raise, naming them."""
-    if tags is None:
+    """The tags a release/resume call covers (None or empty: all, as in SGLang); unknown
+    tags raise ValueError naming them."""
+    if not tags:
         return MEMORY_TAGS
+    if isinstance(tags, str):
+        raise ValueError(f"memory tags must be a list of strings, not the string {tags!r}")
     unknown = [t for t in tags if t not in MEMORY_TAGS]
     if unknown:
         raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")

@@ -28,7 +28,8 @@ SGLang server on GPUs and the embedded engine on a laptop. Routes (as in SGLang)
   GET  /health, /health_generate (runs one greedy token), /get_model_info, /model_info
 
 Update replies are {"success": bool, "message": str} (400 when success is false), like
-SGLang's. Errors of /generate are {"error": {"message", "type", "code", "retryable"}}
+SGLang's. As in SGLang, a request id already in flight is refused (400, "Duplicate request
+ID detected"), and memory tags default to all of weights, kv_cache and cuda_graph. Errors of /generate are {"error": {"message", "type", "code", "retryable"}}
 with status 400 (bad request) or 500/503 (engine failure; the client retries those).
 """
 
@@ -80,11 +81,20 @@ def build_app(engine: Any) -> Any:
 
     app = web.Application(client_max_size=1 << 34)
     groups: dict[str, Any] = {}  # weight update groups this server joined (receiving side)
+    in_flight: set[str] = set()  # request ids being served (SGLang refuses a duplicate one)
 
     async def generate(request: web.Request) -> web.Response:
+        rids: list[str] = []
         try:
             body = await _json(request)
             reqs, is_batch, want_prompt_ids = requests_from_sglang(body)
+            for q in reqs:
+                if q.rid is None:
+                    continue
+                if q.rid in in_flight or q.rid in rids:
+                    raise EngineError(f"Duplicate request ID detected: {q.rid}", retryable=False, status=400)
+                rids.append(q.rid)
+            in_flight.update(rids)
             results = await engine.generate(reqs)
         except EngineError as e:
             status = e.status or (503 if e.retryable else 400)
@@ -92,6 +102,8 @@ def build_app(engine: Any) -> Any:
         except Exception as e:  # noqa: BLE001
             log.exception("generate failed")
             return _error(f"{type(e).__name__}: {e}", 500, retryable=True)
+        finally:
+            in_flight.difference_update(rids)
         out = [result_to_sglang(r, return_logprob=q.return_logprob, return_prompt_token_ids=want_prompt_ids)
                for q, r in zip(reqs, results)]
         return web.json_response(out if is_batch else out[0])
@@ -126,7 +138,7 @@ def build_app(engine: Any) -> Any:
             group = await asyncio.to_thread(
                 join_update_group, body["master_address"], int(body["master_port"]),
                 int(body["rank_offset"]), int(body["world_size"]), group_name=name,
-                backend=body.get("backend", "gloo"))
+                backend=body.get("backend", "nccl"))  # SGLang's default; CPU callers send gloo
             groups[name] = group
         except Exception as e:  # noqa: BLE001
             log.exception("init_weights_update_group failed")
@@ -169,14 +181,14 @@ def build_app(engine: Any) -> Any:
         try:
             await engine.release_memory_occupation(await _tags(request))
         except ValueError as e:  # unknown tags
-            return web.json_response({"error": str(e)}, status=400)
+            return _error(str(e), 400, retryable=False)
         return web.json_response(None)
 
     async def resume(request: web.Request) -> web.Response:
         try:
             await engine.resume_memory_occupation(await _tags(request))
-        except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
+        except ValueError as e:  # unknown tags, or tags that are not released
+            return _error(str(e), 400, retryable=False)
         return web.json_response(None)
 
     async def flush(request: web.Request) -> web.Response:

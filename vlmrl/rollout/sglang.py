@@ -15,7 +15,8 @@ Launch: `server_args(...)` maps the config onto ServerArgs field names (model_pa
 hardware preset, CUDA-graph batch sizes, speculative decoding, port, host, log_level,
 dtype, enable_memory_saver when colocated) and merges `rollout.sglang.server_args`
 verbatim; every key must be a ServerArgs field. `server_command` turns the dict into
-`python -m sglang.launch_server --foo-bar v ...` (True booleans as bare flags).
+`python -m sglang.launch_server --foo-bar v ...` (True booleans as bare flags). Values of
+fields with a fixed set of choices in SGLang's source are checked against them.
 `SGLangServerActor` starts that command on its engine slot's GPUs (CUDA_VISIBLE_DEVICES)
 and waits on /health; `launch_sglang_engines` starts one per slot plus, optionally,
 `python -m sglang_router.launch_router --worker-urls ...` in front of them.
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .manager import close_sessions
 from .sglang_flags import (
     FLAGS_FILE,
     SGLangFlags,
@@ -66,9 +68,11 @@ def server_args(
     colocate: bool = False,
     seed: int | None = None,
     flags: SGLangFlags | None = None,
+    data: Any = None,
 ) -> dict[str, Any]:
-    """ServerArgs field -> value for one engine, from the rollout / hardware / model
-    sections; `rollout.sglang.server_args` is merged last (verbatim, it wins)."""
+    """ServerArgs field -> value for one engine, from the rollout / hardware / model (and
+    data: the image pixel bounds) sections; `rollout.sglang.server_args` is merged last
+    (verbatim, it wins)."""
     flags = flags or load_flags()
     sg = rollout.sglang
     args: dict[str, Any] = {
@@ -99,9 +103,15 @@ def server_args(
         args["enable_memory_saver"] = True  # needed by release/resume_memory_occupation
     if seed is not None:
         args["random_seed"] = int(seed)
+    if sg.deterministic_inference:  # SGLang honours a request's sampling_seed only then
+        args["enable_deterministic_inference"] = True
+    if data is not None and data.min_pixels is not None and data.max_pixels is not None:
+        # the engine's processor must cut images into as many tokens as the trainer's
+        args["mm_process_config"] = {"image": {"min_pixels": int(data.min_pixels),
+                                               "max_pixels": int(data.max_pixels)}}
     args.update(dict(sg.server_args))
-    for name in args:
-        flags.check(name)
+    for name, value in args.items():
+        flags.check_value(name, value)
     return args
 
 
@@ -279,6 +289,7 @@ async def launch_sglang_engines(
     cpus_per_actor: float = 0.5,
     seed: int | None = None,
     router_host: str = "127.0.0.1",
+    data: Any = None,
 ) -> SGLangEngines:
     """Start one `SGLangServerActor` per engine slot (Ray must be initialised), wait until
     every server is healthy, and put the router in front when `rollout.sglang.use_router`.
@@ -296,7 +307,7 @@ async def launch_sglang_engines(
     actors, urls = [], []
     for slot in slots:
         args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host="auto",
-                           model_path=model_path, colocate=colocate, seed=seed, flags=flags)
+                           model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data)
         actor = actor_cls.options(num_cpus=cpus_per_actor, num_gpus=frac, max_concurrency=4).remote(
             args, slot.devices, log_path=str(Path(run_dir) / "logs" / f"sglang-{slot.index}.log"))
         actors.append(actor)
@@ -317,6 +328,7 @@ async def launch_sglang_engines(
         out.generation = [router]
     else:
         out.generation = list(engines)
+    await close_sessions([*engines, *out.generation])  # opened on this event loop, which ends here
     return out
 
 
@@ -329,7 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", default=str(FLAGS_FILE))
     c = sub.add_parser("command", help="print the launch command of every engine for a config")
     c.add_argument("overrides", nargs="*")
+    from .sglang_contract import CONTRACT_FILE, format_contract, scan_contract
+
+    k = sub.add_parser("contract", help="write sglang_contract.json (SGLang's HTTP API) from a wheel or package dir")
+    k.add_argument("--source", required=True, help="sglang-*.whl (pip download --no-deps sglang) or site-packages dir")
+    k.add_argument("--out", default=str(CONTRACT_FILE))
     args = p.parse_args(argv)
+    if args.cmd == "contract":
+        contract = scan_contract(args.source)
+        shown = ["python -m vlmrl.rollout.sglang contract", "--source", Path(args.source).name, "--out",
+                 os.path.relpath(args.out, Path(__file__).resolve().parents[2])]
+        cmd = " ".join(shown) + f"   (wheel from: pip download --no-deps sglang=={contract['sglang_version']} -d DIR)"
+        Path(args.out).write_text(format_contract(contract, cmd))
+        print(f"wrote {args.out}: {len(contract['endpoints'])} endpoints of sglang {contract['sglang_version']}")
+        return 0
     if args.cmd == "flags":
         flags = scan_sglang_source(args.source)
         shown = ["python -m vlmrl.rollout.sglang flags", "--source", Path(args.source).name, "--out",
@@ -343,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load(args.overrides)
     for slot in compute_layout(cfg).engines(cfg):
         a = server_args(cfg.rollout, cfg.hardware, cfg.model, port=engine_port(cfg.rollout.sglang.base_port, slot.index),
+                        data=cfg.data,
                         colocate=cfg.cluster.colocate)
         print(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices(slot.devices)}", " ".join(server_command(a, python="python")))
     return 0

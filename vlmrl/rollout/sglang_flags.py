@@ -61,6 +61,14 @@ class SGLangFlags:
             raise UnknownSGLangArg(name, self, reason="has no command-line flag")
         return info
 
+    def check_value(self, name: str, value: Any) -> FlagInfo:
+        """`check(name)`, and a string value of a field with choices must be one of them."""
+        info = self.check(name)
+        if info.choices and isinstance(value, str) and value not in info.choices:
+            raise ValueError(f"SGLang {self.version}: {name}={value!r} is not one of {list(info.choices)} "
+                             f"(see {FLAGS_FILE.name})")
+        return info
+
     def cli_flags(self) -> set[str]:
         out = set(self.extra_flags)
         for info in self.fields.values():
@@ -100,9 +108,12 @@ def load_flags(path: str | Path = FLAGS_FILE) -> SGLangFlags:
     return SGLangFlags(version, fields, frozenset(extra), tuple(header))
 
 
-def _sources(source: str | Path) -> tuple[dict[str, str], str]:
-    """{relative path under sglang/srt: text} of the files the scan reads, and the version."""
-    wanted = ("srt/server_args.py", "srt/arg_groups/fields/", "version.py")
+FLAG_SOURCES = ("srt/server_args.py", "srt/arg_groups/fields/", "srt/arg_groups/choices.py", "version.py")
+
+
+def _sources(source: str | Path, wanted: tuple[str, ...] = FLAG_SOURCES) -> tuple[dict[str, str], str]:
+    """{relative path under sglang/: text} of the files whose path contains one of `wanted`,
+    and the version."""
     out: dict[str, str] = {}
     source = Path(source)
     if source.is_file() and zipfile.is_zipfile(source):
@@ -186,8 +197,45 @@ def _literal_keywords(keywords: list[ast.keyword]) -> dict[str, Any]:
     return kw
 
 
-def _choices(kw: dict[str, Any]) -> tuple[str, ...]:
+def _named_lists(files: dict[str, str]) -> dict[str, list[Any]]:
+    """Module-level list constants of `srt/arg_groups/choices.py` (ATTENTION_BACKEND_CHOICES
+    and the like), which field declarations name instead of spelling out."""
+    out: dict[str, list[Any]] = {}
+    src = files.get("srt/arg_groups/choices.py")
+    if not src:
+        return out
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            if isinstance(value, (list, tuple)):
+                out[node.targets[0].id] = list(value)
+    return out
+
+
+def _choices(kw: dict[str, Any], named: dict[str, list[Any]] | None = None) -> tuple[str, ...]:
+    """Literal choices, or a named list (plus a literal list added to it) resolved from
+    `named`; empty when the choices are computed at run time."""
     c = kw.get("choices")
+    if isinstance(c, str) and named:
+        try:
+            expr = ast.parse(c, mode="eval").body
+        except SyntaxError:
+            return ()
+        parts = [expr.left, expr.right] if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add) else [expr]
+        c = []
+        for part in parts:
+            if isinstance(part, ast.Name) and part.id in named:
+                c += named[part.id]
+            elif isinstance(part, ast.List):
+                try:
+                    c += ast.literal_eval(part)
+                except ValueError:
+                    return ()
+            else:
+                return ()
     if isinstance(c, (list, tuple)) and c and all(isinstance(x, (str, int, float)) and "," not in str(x) for x in c):
         return tuple(str(x) for x in c)
     return ()
@@ -210,6 +258,7 @@ def scan_sglang_source(source: str | Path) -> SGLangFlags:
     `srt/arg_groups/fields/` (0.5.2x, `A[T, Arg(...)]`, flags derived from field names) and
     the older single `ServerArgs` dataclass whose flags are added by hand in add_cli_args."""
     files, version = _sources(source)
+    named = _named_lists(files)
     fields: dict[str, FlagInfo] = {}
     extra: set[str] = set()
     field_files = sorted(k for k in files if "arg_groups/fields/" in k)
@@ -233,7 +282,7 @@ def scan_sglang_source(source: str | Path) -> SGLangFlags:
                     typ, kw = meta
                     cli = kw.get("cli_name") or "--" + name.replace("_", "-")
                     aliases = kw.get("aliases") or []
-                    fields[name] = FlagInfo(name, _kind_of(typ, kw), (cli, *aliases), _choices(kw))
+                    fields[name] = FlagInfo(name, _kind_of(typ, kw), (cli, *aliases), _choices(kw, named))
         # fields registered by hand (dynamic choices); deprecated spellings stay extras
         tree = ast.parse(files.get("srt/server_args.py", ""))
         for names, kw in _manual_flags(tree):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,16 @@ def decode_torch_payload(entry: str | bytes) -> list[tuple[str, Any]]:
     data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
     obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     return [(str(n), t) for n, t in obj]
+
+
+def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str) -> str:
+    """One entry of `serialized_named_tensors` in `tensor_format`: "ipc" (base64 of CUDA IPC
+    handles to this process's GPU tensors) or "torch_save" (base64 of host copies)."""
+    if tensor_format == "ipc":
+        return base64.b64encode(serialize_ipc(bucket)).decode()
+    if tensor_format == "torch_save":
+        return encode_torch_payload(list(bucket))
+    raise ValueError(f"tensor_format must be 'ipc' or 'torch_save', not {tensor_format!r}")
 
 
 def _device_uuid(index: int) -> str:
@@ -228,15 +238,18 @@ async def init_weights_update_group_all(engines: Sequence[Any], master_address: 
 
 async def update_weights_distributed(engines: Sequence[Any], group: Any, named_tensors: Sequence[tuple[str, Any]], *,
                                      bucket_bytes: int | None, group_name: str = "weight_update_group",
-                                     flattened: bool = False, weight_version: str | None = None) -> None:
+                                     flattened: bool = False, weight_version: str | None = None,
+                                     final: bool = True) -> None:
     """Per bucket: every engine's /update_weights_from_distributed call goes out, then the
-    trainer broadcasts the bucket, then the calls are awaited."""
+    trainer broadcasts the bucket, then the calls are awaited. The last bucket of a `final`
+    call flushes the engines' caches and sets their `weight_version` (a caller streaming
+    one bucket per call passes final=False until the last)."""
     buckets = list(bucketize(named_tensors, bucket_bytes))
     for i, bucket in enumerate(buckets):
         if flattened:
             bucket = order_for_flattening(bucket)
         names, dtypes, shapes = bucket_metadata(bucket)
-        last = i == len(buckets) - 1
+        last = final and i == len(buckets) - 1
         calls = [asyncio.ensure_future(e.update_weights_from_distributed(
             names, dtypes, shapes, group_name=group_name, flush_cache=last,
             weight_version=weight_version if last else None,
@@ -245,3 +258,58 @@ async def update_weights_distributed(engines: Sequence[Any], group: Any, named_t
             await asyncio.to_thread(broadcast_bucket, group, bucket, flattened=flattened)
         finally:
             await asyncio.gather(*calls)
+
+
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, is_last) pairs, one item of lookahead: a streamed sync marks its last bucket
+    (the one that flushes the cache and carries the weight version) without knowing the
+    count in advance."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+def payload_sources(trainer_devices: Sequence[int], rollout_device_offset: int, num_engines: int,
+                    tp_size: int) -> list[list[int]]:
+    """For colocated engines, the trainer rank that serializes each engine TP rank's payload:
+    the rank on the same device (engine i's rank k sits on device offset + i * tp + k).
+    Raises naming the device when an engine rank has no trainer rank beside it."""
+    by_device = {d: r for r, d in enumerate(trainer_devices)}
+    out = []
+    for i in range(num_engines):
+        ranks = []
+        for k in range(tp_size):
+            device = rollout_device_offset + i * tp_size + k
+            if device not in by_device:
+                raise ValueError(f"engine {i} rank {k} is on device {device}, where no trainer rank runs; "
+                                 "colocated weight sync needs a trainer rank on every engine device")
+            ranks.append(by_device[device])
+        out.append(ranks)
+    return out
+
+
+def gather_rank_payloads(mine: str | None, sources: Sequence[Sequence[int]], group: Any = None) -> list[list[str]] | None:
+    """Collective over `group` (default: the whole world): every rank passes its own
+    serialized payload (None when no engine rank reads it); rank 0 gets, per engine, the
+    payloads of `sources[i]` in TP-rank order, and every other rank None."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    if gathered is None:
+        return None
+    out = []
+    for i, ranks in enumerate(sources):
+        payloads = [gathered[r] for r in ranks]
+        missing = [r for r, pl in zip(ranks, payloads) if pl is None]
+        if missing:
+            raise RuntimeError(f"engine {i}: trainer ranks {missing} sent no weight payload")
+        out.append(payloads)
+    return out
