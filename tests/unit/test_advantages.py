@@ -106,3 +106,39 @@ def test_validation_errors() -> None:
         compute_advantages("ppo", [0.0, 1.0], 2)
     with pytest.raises(ValueError, match="unknown reward_dtype 'float16'"):
         compute_advantages("grpo", [0.0, 1.0], 2, reward_dtype="float16")
+
+
+@pytest.mark.parametrize("group_size", [2, 5, 8, 16])
+def test_groups_of_format_scores_give_exact_zero_advantages(group_size: int) -> None:
+    """A batch where every answer is boxed but wrong: every reward is the verifier's format
+    score 0.9, which float32 cannot represent. Each group carries no signal, so every
+    advantage is exactly 0.0 (==, not approx): with std normalisation on (a residue over a
+    residue-sized std would be of order one), from float32 and float64 rewards, with the
+    statistics in either dtype."""
+    from vlmrl.rewards import get_verifier
+
+    verifier = get_verifier("geo3k_tol05", format_score=0.9)
+    responses = [f"so \\boxed{{x = {8 + i % 3}}}" for i in range(4 * group_size)]
+    scores = [verifier(response, "7") for response in responses]
+    assert scores == [0.9] * len(scores)
+    for rewards in (
+        scores,
+        torch.tensor(scores, dtype=torch.float32),
+        torch.tensor(scores, dtype=torch.float64),
+        np.asarray(scores, dtype=np.float32),
+    ):
+        for estimator in ("grpo", "dr_grpo"):
+            for reward_dtype in ("float64", "float32"):
+                advantages = compute_advantages(estimator, rewards, group_size, reward_dtype)
+                assert advantages.tolist() == [0.0] * len(scores)
+        for dtype in (torch.float64, torch.float32):
+            for eps in (1e-6, 1e-12, 0.0):
+                advantages = grpo_advantages(rewards, group_size, normalize_std=True, eps=eps, dtype=dtype)
+                assert advantages.tolist() == [0.0] * len(scores)
+                assert not advantages.isnan().any()
+    # Next to a group that does carry signal (one right answer), the all-0.9 groups stay exactly
+    # zero and the informative group is pushed towards the right answer.
+    mixed = torch.tensor([*scores[group_size:], 1.0, *[0.9] * (group_size - 1)], dtype=torch.float32)
+    advantages = compute_advantages("grpo", mixed, group_size).reshape(-1, group_size)
+    assert (advantages[:-1] == 0.0).all()
+    assert advantages[-1, 0] > 0 and (advantages[-1, 1:] < 0).all()

@@ -1,4 +1,5 @@
-"""Verifiers (math, geo3k) on GEO3K-style answers, their registry, and the RewardPool."""
+"""Verifiers (math, geo3k) on GEO3K-style answers, answers offering several values, format
+scores, their registry, and the RewardPool."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vlmrl.rewards import (
     Geo3kVerifier,
     MathVerifier,
     RewardPool,
+    answer_values,
     build_verifier,
     get_verifier,
     last_boxed,
@@ -206,7 +208,15 @@ def test_get_verifier_unknown_name_lists_valid_names() -> None:
         get_verifier("gsm8k")
     for name in ("math", "geo3k_tol05", "geo3k_strict"):
         assert name in str(error.value)
-    assert set(VERIFIER_NAMES) == {"math", "geo3k_tol05", "geo3k_strict", "coin_flip"}
+    assert set(VERIFIER_NAMES) == {"math", "geo3k_tol05", "geo3k_strict", "coin_flip", "constant"}
+
+
+def test_constant_control_scores_every_response_the_same() -> None:
+    const = get_verifier("constant")
+    assert const.format_score == 0.9
+    responses = ["\\boxed{4}", "\\boxed{5}", "no answer", "\\boxed{x = 3, y = 4}", ""]
+    assert {const(r, "4") for r in responses} == {0.9}
+    assert get_verifier("constant", format_score=0.0)("\\boxed{4}", "4") == 0.0
 
 
 def test_coin_flip_control_carries_no_information() -> None:
@@ -335,3 +345,214 @@ def test_pool_defaults_come_from_the_verifier() -> None:
         assert (pool.num_workers, pool.timeout_s) == (0, 2.5)
         with pytest.raises(ValueError, match="2 responses but 1 answers"):
             pool.score(["a", "b"], ["a"])
+
+
+# -- several candidates --------------------------------------------------------------------
+
+FORMAT = 0.9
+VERIFIERS = (MATH, TOL05, STRICT)
+GRADED = tuple(get_verifier(name, format_score=FORMAT) for name in ("math", "geo3k_tol05", "geo3k_strict"))
+
+# (box content, label): the prediction offers the label's value among others, or states a
+# chain that contradicts itself. 0 under every verifier, with or without a format score.
+HEDGES = [
+    ("x = 3, y = 4", "3"),
+    ("x = 3, y = 4", "4"),
+    ("x=2 \\text{ or } x=3", "2"),
+    ("x=2 \\text{ or } x=3", "3"),
+    ("x = 2 \\text{ and } x = 3", "3"),
+    ("3 or 4", "4"),
+    ("3 or 4", "3"),
+    ("3, 4", "4"),
+    ("3,4", "3"),
+    ("\\{3, 4\\}", "4"),
+    ("\\left\\{3, 4\\right\\}", "3"),
+    ("x \\in \\{3, 4\\}", "4"),
+    ("3; 4", "4"),
+    ("3 \\\\ 4", "4"),
+    ("3 \\lor 4", "4"),
+    ("x = 3 \\vee x = 4", "4"),
+    ("2 \\pm 1", "3"),
+    ("2 \\pm 1", "1"),
+    ("2 ± 1", "3"),
+    ("x = \\pm 3", "3"),
+    ("5 \\mp 1", "4"),
+    ("x = 5 = 6", "6"),
+    ("x = 5 = 6", "5"),
+    ("5 = 6", "6"),
+    ("x = 5 \\approx 6", "6"),
+    ("3 \\cdot 4 = 13", "13"),
+    ("x = 2 \\quad x = 3", "3"),
+    ("x = 2 y = 3", "3"),
+    ("AB = 5 \\quad CD = 7", "7"),
+    ("m\\angle A = 30 \\quad m\\angle B = 60", "60"),
+    ("\\frac{1}{2}, \\frac{1}{3}", "\\frac{1}{2}"),
+    ("2\\sqrt{3}, 3\\sqrt{2}", "2\\sqrt{3}"),
+    ("30^\\circ \\text{ or } 60^\\circ", "30"),
+    ("8.7, 8.6", "8.7"),
+    ("8.66, 12", "8.7"),
+    ("4, 4", "4"),
+    ("A or B", "A"),
+]
+
+# (box content, label): one value, with or without a label. 1 under every verifier.
+SINGLES = [
+    ("x = 5", "5"),
+    ("AB = 12", "12"),
+    ("m\\angle ABC = 30^\\circ", "30"),
+    ("m \\angle 1 = m \\angle 2 = 30", "30"),
+    ("5", "5"),
+    ("\\frac{1}{2}", "\\frac{1}{2}"),
+    ("\\frac{1}{2}", "0.5"),
+    ("2\\sqrt{3}", "2\\sqrt{3}"),
+    ("y = 2\\sqrt{3}", "\\sqrt{12}"),
+    ("x = 5 = 5", "5"),
+    ("AB = CD = 4", "4"),
+    ("\\frac{1}{2} \\cdot 6 \\cdot 4 = 12", "12"),
+    ("A = \\pi r^2 = 25\\pi", "25\\pi"),  # formulas in the middle of a chain
+    ("C = 2 \\pi r = 10\\pi", "10\\pi"),
+    ("A = \\frac{1}{2} b h = 12", "12"),
+    ("A = \\frac{1}{2} \\cdot AB \\cdot h = 12", "12"),
+    ("x = 2\\sqrt{3} \\approx 3.4641016", "2\\sqrt{3}"),
+    ("x = 8.66 = 8.66", "8.66"),
+    ("OR = 5", "5"),
+    ("1,000", "1000"),
+    ("1,234,567", "1234567"),
+    ("\\{7\\}", "7"),
+    ("x = 7,", "7"),
+]
+
+# (box content, label): the label has several values; the same values in the same order match.
+SEVERAL_VALUED_LABELS = [
+    ("3, 4", "3, 4", 1.0),
+    ("3,4", "3,4", 1.0),
+    ("x = 3, y = 4", "3, 4", 1.0),
+    ("x = 3 \\text{ or } x = 4", "3, 4", 1.0),
+    ("\\{3, 4\\}", "\\{3,4\\}", 1.0),
+    ("3, 4", "\\{3, 4\\}", 1.0),
+    ("\\frac{1}{2}, 3", "0.5, 3", 1.0),
+    ("2 \\pm 1", "2 \\pm 1", 1.0),
+    ("3, 1", "2 \\pm 1", 1.0),
+    ("(1, 2)", "(1,2)", 1.0),
+    ("(x, y) = (1, 2)", "(1, 2)", 1.0),
+    ("[0, 1)", "[0,1)", 1.0),
+    ("4, 3", "3, 4", FORMAT),  # the order counts: a wrong answer
+    ("3", "3, 4", FORMAT),  # fewer values: a wrong answer
+    ("3, 4, 5", "3, 4", 0.0),  # more values: a hedge
+    ("3, 4", "(3, 4)", 0.0),  # a tuple is one value
+]
+
+
+@pytest.mark.parametrize(("box", "label"), HEDGES)
+def test_several_candidates_score_zero_under_every_verifier(box: str, label: str) -> None:
+    response = f"So the answer is \\boxed{{{box}}}."
+    assert [verifier(response, label) for verifier in (*VERIFIERS, *GRADED)] == [0.0] * 6
+
+
+@pytest.mark.parametrize(("box", "label"), SINGLES)
+def test_one_labelled_value_scores_one_under_every_verifier(box: str, label: str) -> None:
+    response = f"So the answer is \\boxed{{{box}}}."
+    assert [verifier(response, label) for verifier in (*VERIFIERS, *GRADED)] == [1.0] * 6
+
+
+def test_hedge_tables_are_consistent() -> None:
+    assert len(HEDGES) >= 30 and len(SINGLES) >= 15
+    for box, label in HEDGES:  # the same label is matched by some single value
+        assert any(MATH(f"\\boxed{{{b}}}", label) for b in (label, f"x = {label}")), (box, label)
+
+
+@pytest.mark.parametrize(("box", "label", "expected"), SEVERAL_VALUED_LABELS)
+def test_labels_with_several_values(box: str, label: str, expected: float) -> None:
+    response = f"\\boxed{{{box}}}"
+    assert [verifier(response, label) for verifier in GRADED] == [expected] * 3
+    binary = 1.0 if expected == 1.0 else 0.0
+    assert [verifier(response, label) for verifier in VERIFIERS] == [binary] * 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("x = 5", ("5",)),
+        ("x = 3, y = 4", ("3", "4")),
+        ("x=2 \\text{ or } x=3", ("2", "3")),
+        ("\\{3, 4\\}", ("3", "4")),
+        ("3; 4", ("3", "4")),
+        ("2 \\pm 1", ("2+1", "2-1")),
+        ("2 \\mp 1", ("2-1", "2+1")),
+        ("(1, 2)", ("(1,2)",)),
+        ("\\frac{1}{2}, (1, 2)", ("\\frac{1}{2}", "(1,2)")),
+        ("1,000", ("1000",)),
+        ("1{,}000", ("1000",)),
+        ("x = 5 = 6", None),
+        ("x = 2\\sqrt{3} \\approx 3.46", ("3.46",)),
+        ("x = 2\\sqrt{3} = 3.5", ("3.5",)),  # one decimal: 3.5 rounds 3.464...
+        ("x = 2\\sqrt{3} = 3.4", None),  # 3.4 does not
+        ("x = 4.5 = 5", ("5",)),
+        ("x = 4.4 = 5", None),
+        ("x = 3.46 = 2\\sqrt{3}", ("2\\sqrt{3}",)),
+        ("x =", None),
+        ("", None),
+        (" , ", None),
+        ("OR = 3", ("3",)),
+        ("\\text{right and isosceles}", ("right", "isosceles")),
+    ],
+)
+def test_answer_values(raw: str, expected: tuple[str, ...] | None) -> None:
+    assert answer_values(raw) == expected
+
+
+# -- format_score --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["math", "geo3k_tol05", "geo3k_strict"])
+@pytest.mark.parametrize("format_score", [0.0, 0.1, 0.5, 0.9])
+def test_format_score(name: str, format_score: float) -> None:
+    verifier = get_verifier(name, format_score=format_score)
+    assert verifier("The answer is \\boxed{7}.", "7") == 1.0  # correct
+    assert verifier("The answer is \\boxed{x = 7}.", "7") == 1.0
+    assert verifier("The answer is \\boxed{8}.", "7") == format_score  # wrong but well-formed
+    assert verifier("The answer is \\boxed{x = 12 \\text{ cm}}.", "7") == format_score
+    assert verifier("The answer is \\boxed{\\text{seven}}.", "7") == format_score
+    assert verifier("The answer is 7.", "7") == 0.0  # no box
+    assert verifier("The answer is \\boxed{}.", "7") == 0.0  # empty box
+    assert verifier("The answer is \\boxed{7", "7") == 0.0  # unbalanced box
+    assert verifier("The answer is \\boxed{7 or 8}.", "7") == 0.0  # several candidates
+    assert verifier("The answer is \\boxed{6, 8}.", "7") == 0.0  # several, all wrong
+    assert verifier("The answer is \\boxed{x = 7 = 8}.", "7") == 0.0  # a contradiction
+    assert verifier("The answer is \\boxed{8}.", "") == 0.0  # a label that does not parse
+
+
+@pytest.mark.parametrize("format_score", [-0.1, 1.0, 1.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("cls", [MathVerifier, Geo3kVerifier])
+def test_format_score_is_validated(cls: type, format_score: float) -> None:
+    with pytest.raises(ValueError, match=f"{cls.__name__}: format_score must be >= 0 and < 1"):
+        cls(format_score=format_score)
+
+
+def test_coin_flip_refuses_a_format_score() -> None:
+    with pytest.raises(ValueError, match="CoinFlipVerifier: format_score must be 0"):
+        get_verifier("coin_flip", format_score=0.5)
+    assert get_verifier("coin_flip", format_score=0.0).format_score == 0.0
+
+
+def test_format_score_reaches_the_verifier_the_loop_builds() -> None:
+    from vlmrl.config import load
+    from vlmrl.loop import verifier_params
+
+    for name in ("math", "geo3k_tol05", "geo3k_strict"):
+        verifier = build_verifier(verifier_params(load([f"reward={name}", "reward.format_score=0.9"]).reward))
+        assert verifier == get_verifier(name, format_score=0.9, timeout_s=1.0, num_workers=2)
+        assert verifier("\\boxed{8}", "7") == 0.9 and verifier("\\boxed{7 or 8}", "7") == 0.0
+        assert build_verifier(verifier_params(load([f"reward={name}"]).reward)).format_score == 0.0
+    with pytest.raises(ValueError, match="format_score"):
+        build_verifier(verifier_params(load(["reward=coin_flip", "reward.format_score=0.5"]).reward))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pool_passes_non_binary_rewards_through(num_workers: int) -> None:
+    verifier = get_verifier("geo3k_tol05", format_score=FORMAT)
+    responses = ["\\boxed{7}", "\\boxed{8}", "7", "\\boxed{7 or 8}", "\\boxed{8.66}"]
+    labels = ["7", "7", "7", "7", "8.7"]
+    with RewardPool(verifier, num_workers=num_workers) as pool:
+        assert pool.score(responses, labels) == [1.0, FORMAT, 0.0, 0.0, 1.0]
+        assert pool.stats.errors == pool.stats.timeouts == 0

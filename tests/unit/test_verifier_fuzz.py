@@ -1,4 +1,5 @@
-"""Random and adversarial responses: verifiers never raise, stay fast, and stay binary."""
+"""Random and adversarial responses: verifiers never raise, stay fast, and score only 0,
+their format score or 1; answers that hedge over several values never score."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 from vlmrl.rewards import get_verifier
 from vlmrl.rewards.expr import evaluate
 
-VERIFIERS = [get_verifier(name) for name in ("math", "geo3k_tol05", "geo3k_strict")]
+NAMES = ("math", "geo3k_tol05", "geo3k_strict")
+FORMAT = 0.9
+VERIFIERS = [get_verifier(name) for name in NAMES]
+GRADED = [get_verifier(name, format_score=FORMAT) for name in NAMES]
 LABELS = ["270", "8.7", "\\frac{3}{4}", "2\\sqrt{3}", "A", "10000000000", "", "{", "\\boxed{"]
 CALL_LIMIT_S = 1.0
 
@@ -101,12 +105,12 @@ ADVERSARIAL = [
 
 
 def _check(response: str) -> None:
-    for verifier in VERIFIERS:
+    for verifier in (*VERIFIERS, *GRADED):
         for label in LABELS:
             start = time.perf_counter()
             score = verifier(response, label)
             elapsed = time.perf_counter() - start
-            assert score in (0.0, 1.0), (verifier.name, response[:80], label, score)
+            assert score in (0.0, verifier.format_score, 1.0), (verifier.name, response[:80], label, score)
             assert elapsed < CALL_LIMIT_S, (verifier.name, response[:80], label, elapsed)
 
 
@@ -124,9 +128,9 @@ def test_adversarial_response(index: int) -> None:
 @pytest.mark.parametrize("index", range(len(ADVERSARIAL)))
 def test_adversarial_label(index: int) -> None:
     label = ADVERSARIAL[index]
-    for verifier in VERIFIERS:
+    for verifier in (*VERIFIERS, *GRADED):
         start = time.perf_counter()
-        assert verifier("\\boxed{270}", label) in (0.0, 1.0)
+        assert verifier("\\boxed{270}", label) in (0.0, verifier.format_score, 1.0)
         assert time.perf_counter() - start < CALL_LIMIT_S
 
 
@@ -155,3 +159,72 @@ def test_evaluator_accepts_in_bounds() -> None:
     assert evaluate("10^{50} \\cdot 10^{50}") == 10**100
     assert evaluate("2^{64}") == 2**64
     assert evaluate("(" * 40 + "1" + ")" * 40) == 1
+
+
+# -- hedging: several candidate values -------------------------------------------------------
+
+_JOINERS = (" or ", ", ", "; ", " \\text{ or } ", " \\text{ and } ", " and ", " \\\\ ", " \\lor ", ",\\ ")
+_NAMES = ("", "x = ", "AB = ", "m\\angle ABC = ", "y \\approx ")
+_SUFFIXES = ("", "^\\circ", "^{\\circ}", " \\text{ cm}", " units", ".")
+
+
+def _value(rng: random.Random) -> str:
+    """A random label value in one of the forms GEO3K and MATH labels take."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return str(rng.randint(-50, 999))
+    if kind == 1:
+        return f"{rng.randint(0, 99)}.{rng.randint(1, 9)}"
+    if kind == 2:
+        return f"\\frac{{{rng.randint(1, 20)}}}{{{rng.randint(2, 20)}}}"
+    if kind == 3:
+        return f"{rng.randint(2, 9)}\\sqrt{{{rng.choice((2, 3, 5, 6, 7))}}}"
+    return f"{rng.randint(1, 9)}\\pi"
+
+
+def _other(rng: random.Random, value: str) -> str:
+    """A value 1 to 9 away from ``value``: wrong under every verifier."""
+    return f"{value} {rng.choice('+-')} {rng.randint(1, 9)}"
+
+
+def _hedge(rng: random.Random, value: str) -> str:
+    """``value`` offered together with another one (any other: a hedge never scores)."""
+    other = _other(rng, value) if rng.random() < 0.5 else _value(rng)
+    first, second = (value, other) if rng.random() < 0.5 else (other, value)
+    name = rng.choice(_NAMES)
+    form = rng.randrange(4)
+    if form == 0:
+        return f"{name}{first}{rng.choice(_JOINERS)}{name}{second}"
+    if form == 1:
+        return f"\\{{{first}, {second}\\}}"
+    if form == 2:
+        return f"x = {first}, y = {second}"
+    # a chain that contradicts itself; its sides must differ by more than a rounding
+    first, second = (value, _other(rng, value)) if rng.random() < 0.5 else (_other(rng, value), value)
+    return f"x = {first} = {second}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_several_candidates_never_score(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(150):
+        value = _value(rng)
+        box = _hedge(rng, value)
+        response = f"Reasoning... so the answer is \\boxed{{{box}}}."
+        for verifier in (*VERIFIERS, *GRADED):
+            assert verifier(response, value) == 0.0, (verifier.name, box, value)
+        assert VERIFIERS[0](f"\\boxed{{{value}}}", value) == 1.0, value  # the value alone is right
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_labelled_value_always_scores(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    for _ in range(150):
+        value = _value(rng)
+        box = f"{rng.choice(_NAMES)}{value}{rng.choice(_SUFFIXES)}"
+        wrong = f"{rng.choice(_NAMES)}{_other(rng, value)}{rng.choice(_SUFFIXES)}"
+        for verifier, graded in zip(VERIFIERS, GRADED):
+            assert verifier(f"\\boxed{{{box}}}", value) == 1.0, (verifier.name, box, value)
+            assert graded(f"\\boxed{{{box}}}", value) == 1.0, (verifier.name, box, value)
+            assert verifier(f"\\boxed{{{wrong}}}", value) == 0.0, (verifier.name, wrong, value)
+            assert graded(f"\\boxed{{{wrong}}}", value) == FORMAT, (verifier.name, wrong, value)

@@ -11,25 +11,41 @@ from vlmrl.rewards.extract import last_boxed
 
 @dataclass(frozen=True, kw_only=True)
 class Verifier(abc.ABC):
-    """A binary reward: ``verifier(response, answer) -> 1.0 | 0.0``.
+    """A reward for the final answer: ``verifier(response, answer) -> float``.
 
-    The prediction is the last ``\\boxed{}`` of the response; a response without one
-    scores 0. Subclasses decide when a prediction matches the label in :meth:`matches`.
-    Verifiers are frozen dataclasses, so they pickle into worker processes and compare
-    by value. ``timeout_s`` and ``num_workers`` are not used by the call itself: they
-    configure the :class:`~vlmrl.rewards.pool.RewardPool` that runs it.
+    The prediction is the last ``\\boxed{}`` of the response. It scores
+
+    - 1.0 when it matches the label: it offers as many values as the label and each one
+      matches the label's value in the same place, as decided by :meth:`matches`;
+    - ``format_score`` when it is a well-formed answer that does not match;
+    - 0.0 when there is no box, the box does not parse (empty, too long, an equation
+      chain that contradicts itself) or the label does not, and when the prediction
+      offers more values than the label: ``x = 3, y = 4``, ``3 or 4``, ``\\{3, 4\\}`` or
+      ``2 \\pm 1`` for a label of one value. Hedging over candidates never earns more
+      than a wrong answer (see :func:`~vlmrl.rewards.answer.answer_values`).
+
+    With the default ``format_score`` of 0 the reward is binary. Verifiers are frozen
+    dataclasses, so they pickle into worker processes and compare by value.
+    ``timeout_s`` and ``num_workers`` are not used by the call itself: they configure the
+    :class:`~vlmrl.rewards.pool.RewardPool` that runs it.
 
     Args:
         name: the registry name, for logs.
+        format_score: reward of a well-formed boxed answer that is wrong, in [0, 1).
         timeout_s: hard limit on one call when scored through a pool.
         num_workers: worker processes of that pool; 0 scores inline.
     """
 
     name: str
+    format_score: float = 0.0
     timeout_s: float = 1.0
     num_workers: int = 0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.format_score < 1.0:
+            raise ValueError(
+                f"{type(self).__name__}: format_score must be >= 0 and < 1, got {self.format_score}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"{type(self).__name__}: timeout_s must be > 0, got {self.timeout_s}")
         if self.num_workers < 0:
@@ -43,8 +59,13 @@ class Verifier(abc.ABC):
         label = parse_label(answer)
         if prediction is None or label is None:
             return 0.0
-        return 1.0 if self.matches(prediction, label) else 0.0
+        offered, expected = prediction.values, label.values
+        if len(offered) > len(expected):
+            return 0.0
+        if len(offered) == len(expected) and all(map(self.matches, offered, expected)):
+            return 1.0
+        return float(self.format_score)
 
     @abc.abstractmethod
     def matches(self, prediction: Answer, label: Answer) -> bool:
-        """Whether a normalised prediction counts as the label."""
+        """Whether one normalised value of the prediction counts as the label's value."""

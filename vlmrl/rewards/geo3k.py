@@ -17,13 +17,14 @@ from vlmrl.rewards.math import math_equal
 
 @dataclass(frozen=True, kw_only=True)
 class Geo3kVerifier(Verifier):
-    """Binary reward: ``|prediction - label| <= tolerance``, or whatever ``math`` accepts.
+    """A value matches when ``|prediction - label| <= tolerance`` or when ``math`` accepts it.
 
     With ``relative=True`` the bound is ``tolerance * |label|``. Decimal answers are
     compared exactly (``8.65`` is within 0.05 of ``8.7``), irrational ones in floating
     point. Answers that do not evaluate to numbers fall back to
     :func:`~vlmrl.rewards.math.math_equal`, and so does any pair outside the
-    tolerance: everything the ``math`` verifier accepts, this one accepts too.
+    tolerance: everything the ``math`` verifier accepts, this one accepts too. Scores
+    (1, ``format_score`` or 0) are assigned as :class:`~vlmrl.rewards.base.Verifier` says.
     """
 
     name: str = "geo3k"

@@ -24,7 +24,7 @@ def math_equal(prediction: Answer, label: Answer) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class MathVerifier(Verifier):
-    """Binary reward for a boxed answer that is mathematically equal to the label."""
+    """Reward for a boxed answer that is mathematically equal to the label (see :class:`Verifier`)."""
 
     name: str = "math"
 

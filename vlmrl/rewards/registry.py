@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vlmrl.rewards.base import Verifier
-from vlmrl.rewards.control import CoinFlipVerifier
+from vlmrl.rewards.control import CoinFlipVerifier, ConstantVerifier
 from vlmrl.rewards.geo3k import Geo3kVerifier
 from vlmrl.rewards.math import MathVerifier
 
@@ -16,6 +16,7 @@ _PRESETS: dict[str, tuple[type[Verifier], dict[str, Any]]] = {
     "geo3k_tol05": (Geo3kVerifier, {"tolerance": 0.05}),
     "geo3k_strict": (Geo3kVerifier, {"tolerance": 0.0}),
     "coin_flip": (CoinFlipVerifier, {}),
+    "constant": (ConstantVerifier, {}),
 }
 
 VERIFIER_NAMES: tuple[str, ...] = tuple(_PRESETS)
