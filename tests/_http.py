@@ -7,15 +7,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FileServer:
-    """Serves `files` (path -> bytes) on 127.0.0.1 from a thread and counts requests."""
+    """Serves `files` (path -> bytes) on 127.0.0.1 from a thread and counts requests;
+    `fail[path] = n` answers the next n requests of that path with HTTP 503 (a transient
+    failure) before serving it."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.requests = files, []
+        self.fail: dict[str, int] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 server.requests.append(self.path)
+                if server.fail.get(self.path, 0) > 0:
+                    server.fail[self.path] -= 1
+                    self.send_response(503)
+                    self.end_headers()
+                    return
                 body = server.files.get(self.path)
                 self.send_response(200 if body is not None else 404)
                 self.end_headers()

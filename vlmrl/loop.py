@@ -152,6 +152,7 @@ def rollout_metrics(records: list[Any], rewards: list[float]) -> dict[str, float
     n = max(len(records), 1)
     return {
         mk.ROLLOUT_RAW_REWARD: sum(rewards) / max(len(rewards), 1),
+        mk.ROLLOUT_ACCURACY: sum(1.0 for r in rewards if r >= 1.0) / max(len(rewards), 1),
         mk.ROLLOUT_RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in records) / n,
         mk.ROLLOUT_TRUNCATED_RATIO: sum(r.truncated for r in records) / n,
     }
@@ -167,6 +168,8 @@ class Loop:
         self._next: tuple[list[Any], Any, float] | None = None  # async: the overlapped rollout
         self._data_before_next: dict[str, int] | None = None
         self.engine_version: str | None = None  # the weight_version last synced to the engines
+        self._trained_since_sync = False
+        self.engine_restarts = 0
 
     # ------------------------------------------------------------ components
     def _setup(self) -> None:
@@ -193,8 +196,6 @@ class Loop:
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:
-        from .cluster.placement import available_cores, cpu_threads
-        from .rollout.embedded import RayEngine, create_embedded_actor
         from .rollout.manager import RolloutManager
 
         cfg = self.cfg
@@ -212,31 +213,87 @@ class Loop:
             self.admin_engines = self.sglang.engines  # every server: memory, cache, weights
             self.engine_actors = [e.base_url for e in self.sglang.engines]  # weight-sync targets
         else:
-            actor = create_embedded_actor(
-                self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name="embedded-0",
-                scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[0]),
-                torch_threads=cpu_threads(cfg, "engine", available_cores()),
-                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
-                max_batch_size=cfg.rollout.embedded.max_batch_size)
-            self.engine_actors, engines = [actor], [RayEngine(actor, "embedded-0")]
-            if cfg.rollout.embedded.serve_http:  # SGLang's protocol end to end
-                import ray
-
-                from .rollout.client import HTTPEngine
-
-                self._embedded_actor = actor  # keeps the server's actor alive
-                url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port))
-                engines = [HTTPEngine(url, name="embedded-0", max_concurrency=cfg.rollout.max_in_flight,
-                                      timeout_s=cfg.rollout.request_timeout_s,
-                                      max_retries=cfg.rollout.max_retries)]
-                self.engine_actors = [url]
+            self._embedded = [self._new_embedded_actor(0)]
+            target, engine = self._embedded_endpoint(0)
+            self.engine_actors, engines = [target], [engine]
             self.admin_engines = engines
         self.engines = engines
         progress = cfg.logger.progress
+        # a restart needs the engines themselves (not a router) to be the generation targets
+        restart = self._restart_engine if engines is self.admin_engines else None
         self.rollout = RolloutManager.from_config(engines, cfg.rollout, n_samples=cfg.algo.n_samples_per_prompt,
-                                                  seed=cfg.seed, progress=progress)
+                                                  seed=cfg.seed, progress=progress, restart_engine=restart)
         self.evaluator = RolloutManager.from_config(engines, cfg.rollout, n_samples=1, seed=cfg.seed,
-                                                    progress=progress, eval_mode=True)
+                                                    progress=progress, eval_mode=True, restart_engine=restart)
+
+    def _new_embedded_actor(self, i: int) -> Any:
+        from .cluster.placement import available_cores, cpu_threads
+        from .rollout.embedded import create_embedded_actor
+
+        cfg = self.cfg
+        return create_embedded_actor(
+            self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name=f"embedded-{i}",
+            scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[i]),
+            torch_threads=cpu_threads(cfg, "engine", available_cores()),
+            min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
+            max_batch_size=cfg.rollout.embedded.max_batch_size)
+
+    def _embedded_endpoint(self, i: int) -> tuple[Any, Any]:
+        """(weight-sync target, Engine) of embedded engine i: its actor and direct Ray calls,
+        or, with rollout.embedded.serve_http, its server's URL and the SGLang client."""
+        from .rollout.embedded import RayEngine
+
+        cfg, actor = self.cfg, self._embedded[i]
+        if not cfg.rollout.embedded.serve_http:
+            return actor, RayEngine(actor, f"embedded-{i}")
+        import ray
+
+        from .rollout.client import HTTPEngine
+
+        url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port))
+        return url, HTTPEngine(url, name=f"embedded-{i}", max_concurrency=cfg.rollout.max_in_flight,
+                               timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries)
+
+    async def _restart_engine(self, i: int) -> None:
+        import asyncio
+
+        from .rollout.manager import close_sessions
+
+        await close_sessions([self.engines[i]])  # the dead server's connections, on this event loop
+        await asyncio.to_thread(self._restart_engine_now, i)
+
+    def _restart_engine_now(self, i: int) -> None:
+        """Bring engine i back after its process died: a new embedded actor (or a new SGLang
+        process in the same actor, same port), then the trainer's current weights, so the
+        retried requests are sampled from the policy being trained."""
+        import ray
+
+        cfg = self.cfg
+        http = cfg.rollout.name == "sglang" or cfg.rollout.embedded.serve_http
+        if cfg.rollout.name == "sglang":
+            actor = self.sglang.actors[i]
+            ray.get(actor.stop.remote())
+            ray.get(actor.start.remote())
+            ray.get(actor.wait_healthy.remote(cfg.rollout.sglang.startup_timeout_s))
+        else:
+            try:
+                ray.kill(self._embedded[i], no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            self._embedded[i] = self._new_embedded_actor(i)
+            target, engine = self._embedded_endpoint(i)
+            if http:
+                self.engines[i].rebase(target)
+            else:
+                self.engines[i].actor = target
+            self.engine_actors[i] = target
+        self.engine_restarts += 1
+        if self.engine_version is None:
+            return  # nothing synced yet: the checkpoint it loaded is the trainer's starting point
+        version = self.engine_version + ("+" if self._trained_since_sync else "")
+        bucket = max(int(cfg.rollout.weight_update_bucket_mb), 1) << 20
+        targets = self.engine_actors if http else [self.engine_actors[i]]
+        self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=http)
 
     # ------------------------------------------------------------ checkpoints
     def _resume_from(self) -> Path | None:
@@ -297,6 +354,7 @@ class Loop:
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
         self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket, weight_version=version)
         self.engine_version = version  # every sample generated from now on should report it
+        self._trained_since_sync = False
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------ phases
@@ -322,6 +380,7 @@ class Loop:
         while self.state.sft_steps_done < steps:
             t0 = time.perf_counter()
             samples = sft_samples(self.processor, self.train_data.sample_batch(bs))
+            self._trained_since_sync = True
             m = self.trainer.sft_step(samples)
             self.state.sft_steps_done += 1
             dt = time.perf_counter() - t0
@@ -396,6 +455,7 @@ class Loop:
         train_metrics: list[dict[str, float]] = []
         for k in range(steps):
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
+            self._trained_since_sync = True
             train_metrics.append(self.trainer.train_step(chunk))
         if cfg.cluster.colocate:  # ... take the weights' memory back to receive the new weights ...
             self._engines_call("resume_memory_occupation", list(COLOCATED_RESUME_BEFORE_SYNC))
@@ -421,6 +481,8 @@ class Loop:
             mk.PERF_ROLLOUT_TIME: t_rollout, mk.PERF_TRAIN_TIME: train_time, mk.PERF_UPDATE_WEIGHTS_TIME: sync_time,
             mk.PERF_STEP_TIME: step_time, mk.PERF_TOKENS_PER_GPU_PER_SEC: tokens / max(step_time, 1e-9) / devices,
             "rollout/dropped_groups": batch.stats.dropped_groups,
+            "rollout/retries": batch.stats.retries,
+            "rollout/engine_restarts": batch.stats.engine_restarts,
             "rollout/stale_samples": stale,
             "rollout/invalid_samples": skipped["vision_token"],
             "rollout/prompt_mismatch_samples": skipped["prompt_mismatch"],

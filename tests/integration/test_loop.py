@@ -325,3 +325,54 @@ def test_control_rewards_are_evaluated_for_correctness(tmp_path, cache_dir):
         assert loop.eval_pool.score(["Answer: \\boxed{4}"] * 8, ["4"] * 8) == [1.0] * 8
     finally:
         loop.pool.close()
+
+
+@pytest.mark.parametrize("serve_http", [False, True], ids=["ray", "http"])
+def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, cache_dir, monkeypatch, serve_http):
+    """kill -9 of the engine process while step 1's rollout is in flight: the manager sees
+    it down, the loop starts a new engine and syncs it the trainer's weights, the lost
+    requests are retried there, and every group of the step completes; the restart and
+    the retries are logged. The samples after the restart carry the synced weight version
+    and match the trainer's logprobs: no sample came from stale or initial weights."""
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+    from vlmrl.rollout.faults import KILL_ENGINE_ENV
+
+    marker = tmp_path / "engine-killed"
+    # 8 eval requests come first; the 12th request is in step 1's rollout of 4 x 4
+    monkeypatch.setenv(KILL_ENGINE_ENV, f"12:{marker}")
+    train(_config(tmp_path / "run", cache_dir, [f"rollout.embedded.serve_http={str(serve_http).lower()}",
+                                                "save_hf=false", "rollout.max_retries=4"]))
+    assert marker.exists()  # the engine process did die
+    rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
+    assert [r["rl_step"] for r in rows] == [1, 2]
+    first, second = rows
+    assert first["rollout/engine_restarts"] == 1 and first["rollout/retries"] >= 1
+    assert second["rollout/engine_restarts"] == 0
+    for r in rows:
+        assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
+def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_dir, tiny_checkpoint):
+    """reward=constant scores every response 0.9 (a format score: well-formed and wrong), so
+    every group is all-equal. Through the whole loop (reward pool, float64 advantages, packed
+    micro-batches, the policy loss, Adam) nothing may move: the policy loss and gradient
+    are exactly zero and the exported weights are the starting checkpoint's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+
+    train(_config(tmp_path, cache_dir, ["reward=constant", "algo.sft_steps=0", "num_steps=2",
+                                        "trainer.global_batch_size=8"]))  # two optimizer steps per rollout
+    rows = [r for r in read_metrics(tmp_path) if "rl_step" in r]
+    assert [r["rl_step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/raw_reward"] == pytest.approx(0.9) and r["rollout/accuracy"] == 0.0
+        assert r["train/pg_loss"] == 0.0 and r["train/grad_norm"] == 0.0
+    start = load_file(str(Path(tiny_checkpoint) / "model.safetensors"))
+    end = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert start.keys() == end.keys()
+    moved = [k for k in start if not torch.equal(start[k], end[k])]
+    assert not moved, moved[:5]

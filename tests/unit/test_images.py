@@ -120,15 +120,30 @@ def test_url_without_cache_dir_is_fetched_each_time(server):
 def test_unreachable_url_fails_clearly(tmp_path):
     url = closed_port_url()
     with pytest.raises(ImageFetchError, match="cannot fetch image http://127.0.0.1") as info:
-        decode_image(url, cache_dir=tmp_path, timeout_s=2)
-    assert "offline or unreachable" in str(info.value)
-    assert info.value.reason == "image_fetch_failed"
+        decode_image(url, cache_dir=tmp_path, timeout_s=2, retries=1)
+    assert "offline or unreachable" in str(info.value) and "attempt 2" in str(info.value)
+    assert info.value.reason == "image_fetch_failed" and info.value.transient and info.value.attempts == 2
     assert not any(tmp_path.iterdir())  # failures are not cached
 
 
-def test_http_error_is_a_fetch_error(server):
-    with pytest.raises(ImageFetchError, match="HTTP 404"):
-        decode_image(f"{server.url}/missing.png", timeout_s=5)
+def test_http_error_is_a_fetch_error_and_not_retried(server):
+    with pytest.raises(ImageFetchError, match="HTTP 404") as info:
+        decode_image(f"{server.url}/missing.png", timeout_s=5, retries=3)
+    assert not info.value.transient and server.requests == ["/missing.png"]
+
+
+def test_transient_fetch_failures_are_retried_with_backoff(server):
+    import time
+
+    server.fail["/diagram.png"] = 2  # two 503s, then the image
+    t0 = time.perf_counter()
+    img = decode_image(f"{server.url}/diagram.png", timeout_s=5, retries=3)
+    assert same_pixels(img, sample_image()) and server.requests == ["/diagram.png"] * 3
+    assert time.perf_counter() - t0 >= 0.5 * (0.5 + 1.0) * 0.5  # backoff 0.5 s, then 1 s, jittered 50-100%
+    server.fail["/diagram.png"] = 5
+    with pytest.raises(ImageFetchError, match="HTTP 503.*attempt 3") as info:
+        decode_image(f"{server.url}/diagram.png", timeout_s=5, retries=2)
+    assert info.value.transient
 
 
 # --------------------------------------------------------------------------- bad input

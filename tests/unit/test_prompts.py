@@ -221,6 +221,30 @@ def test_without_shuffle_rows_come_in_order_and_iteration_repeats(processor):
     assert [p.index for p in ds] == [p.index for p in ds] == [0, 1, 2, 3, 4]
 
 
+def test_a_failed_image_fetch_skips_the_row_for_that_draw_only(processor):
+    """A network failure is not a property of the row: the row is skipped for the draw,
+    drawn again later, and only dropped for good after failing three draws."""
+    from _http import FileServer
+
+    srv = FileServer({"/ok.png": encode_png(image()), "/later.png": encode_png(image((0, 200, 0)))})
+    try:
+        rows = stream_rows(4)
+        rows[1] = row(images=[f"{srv.url}/later.png"])
+        rows[2] = row(images=[f"{srv.url}/gone.png"])  # 404 on every draw
+        srv.fail["/later.png"] = 2  # the first draw fails (1 try + 1 retry), later ones work
+        ds = PromptDataset(data_cfg(shuffle=False, image_fetch_retries=1), "train", processor, rows=rows)
+        assert [p.index for p in ds.sample_batch(2)] == [0, 3]  # rows 1 and 2 failed this draw
+        assert [p.index for p in ds.sample_batch(3)] == [0, 1, 3]  # row 1 is back; row 2 fails again
+        assert [p.index for p in ds.sample_batch(2)] == [0, 1]
+        assert srv.requests.count("/gone.png") == 2
+        # row 2 fails its third draw and is gone for good: not fetched again
+        assert [p.index for p in ds.sample_batch(6)] == [3, 0, 1, 3, 0, 1]
+        assert srv.requests.count("/gone.png") == 3
+        assert ds.skips.counts["image_fetch_failed"] == 4  # row 1 once, row 2 three times
+    finally:
+        srv.close()
+
+
 def test_a_split_without_valid_rows_raises_instead_of_looping(processor):
     ds = PromptDataset(data_cfg(), "train", processor, rows=stream_rows(3, bad=[0, 1, 2]))
     with pytest.raises(RuntimeError, match="no valid row in split 'train'.*empty_answer 3"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,14 +61,15 @@ class TrainerWorker:
     def logprobs(self, samples: list[TrainSample]) -> list[Any] | None:
         return self.trainer.logprobs(samples)
 
-    def sync_weights(self, engines: Sequence[Any], bucket_bytes: int, weight_version: str | None = None) -> int:
+    def sync_weights(self, engines: Sequence[Any], bucket_bytes: int, weight_version: str | None = None,
+                     reset_links: bool = False) -> int:
         """Gather the weights (collective) and, on global rank 0, push every bucket to every
         engine: embedded engine actors (Ray handles) or servers speaking SGLang's protocol (URLs). Returns the
         number of bytes sent per engine."""
         import ray
 
         if engines and isinstance(engines[0], str):
-            return self._sync_http(list(engines), bucket_bytes, weight_version)
+            return self._sync_http(list(engines), bucket_bytes, weight_version, reset=reset_links)
         sent = 0
         for bucket in self.trainer.iter_hf_weights(bucket_bytes):
             if self.rank == 0:
@@ -78,7 +80,8 @@ class TrainerWorker:
             ray.get([e.update_weights_from_tensor.remote([], None, True, weight_version) for e in engines])
         return sent
 
-    def _sync_http(self, urls: list[str], bucket_bytes: int, weight_version: str | None) -> int:
+    def _sync_http(self, urls: list[str], bucket_bytes: int, weight_version: str | None, *,
+                   reset: bool = False) -> int:
         """SGLang's weight-sync protocol, to SGLang servers or to the embedded server over HTTP.
 
         Colocated: every trainer rank that shares a device with an engine rank serializes its
@@ -88,7 +91,10 @@ class TrainerWorker:
         until the engines have read it. Separate devices: rank 0 and every engine rank form a
         broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
         (/update_weights_from_distributed). The last bucket flushes the engines' caches and
-        carries `weight_version`, which the engines report with every later sample."""
+        carries `weight_version`, which the engines report with every later sample.
+
+        The clients and the broadcast group are made once and kept; `reset` (an engine was
+        restarted) or a changed URL list tears them down and makes them again."""
         import asyncio
 
         import torch.distributed as dist
@@ -100,8 +106,11 @@ class TrainerWorker:
         colocate = cfg.cluster.colocate
         tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
         fmt = "ipc" if colocate and cfg.hardware.device == "cuda" else "torch_save"
+        if self.rank == 0 and getattr(self, "_http", None) is not None and (reset or urls != self._urls):
+            self._drop_engine_links()
         if self.rank == 0 and getattr(self, "_http", None) is None:
-            self._loop = asyncio.new_event_loop()
+            self._urls = list(urls)
+            self._loop = getattr(self, "_loop", None) or asyncio.new_event_loop()
             self._http = [HTTPEngine(u, name=f"engine-{i}", tensor_format=fmt, tp_size=tp)
                           for i, u in enumerate(urls)]
             self._group = None
@@ -120,9 +129,13 @@ class TrainerWorker:
                 mine = wt.serialize_payload(bucket, fmt) if self.rank in senders else None
                 per_engine = wt.gather_rank_payloads(mine, sources)
                 if per_engine is not None:  # rank 0
-                    calls = [e.update_weights_from_serialized(payloads, flush_cache=last, weight_version=version)
-                             for e, payloads in zip(self._http, per_engine)]
-                    self._loop.run_until_complete(asyncio.gather(*calls))
+                    async def post(per_engine: list[list[str]] = per_engine, last: bool = last,
+                                   version: str | None = version) -> None:
+                        await asyncio.gather(*(e.update_weights_from_serialized(payloads, flush_cache=last,
+                                                                                weight_version=version)
+                                               for e, payloads in zip(self._http, per_engine)))
+
+                    self._loop.run_until_complete(post())
                 dist.barrier()  # the engines have read every rank's copy: the bucket may go
             elif self.rank == 0:
                 self._loop.run_until_complete(wt.update_weights_distributed(
@@ -130,6 +143,23 @@ class TrainerWorker:
             if self.rank == 0:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return sent
+
+    def _drop_engine_links(self) -> None:
+        """Forget the engines' clients and leave the broadcast group (best effort on engines
+        that may be gone: a restarted one starts without it)."""
+        import asyncio
+
+        from ..rollout import weights as wt
+
+        async def leave() -> None:
+            if self._group is not None:
+                await asyncio.gather(*(e.destroy_weights_update_group() for e in self._http), return_exceptions=True)
+            await asyncio.gather(*(e.close() for e in self._http), return_exceptions=True)
+
+        self._loop.run_until_complete(leave())
+        if self._group is not None:
+            wt.destroy_update_group(self._group)
+        self._http, self._group = None, None
 
     def export_hf(self) -> dict[str, Any] | None:
         from ..models import adapters
@@ -182,6 +212,9 @@ class TrainerGroup:
                                   for r in range(1, self.world_size)]
         self.ranks = ray.get([w.init.remote(model_path, total_steps) for w in self.workers])
         self.dp_size = self.ranks[0]["dp_size"]
+        # every call is collective: callers on two threads (an async rollout restarting an
+        # engine while the main thread trains) must reach all ranks in the same order
+        self._lock = threading.RLock()
 
     def _shards(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
         parts = split_by_tokens(samples, self.dp_size)
@@ -191,7 +224,8 @@ class TrainerGroup:
         import ray
 
         shards = self._shards(samples)
-        return ray.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards)])
+        with self._lock:
+            return ray.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards)])
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         return self._call("train_step", samples)[0]
@@ -205,8 +239,9 @@ class TrainerGroup:
         import ray
 
         parts = split_by_tokens(samples, self.dp_size)
-        outs = ray.get([w.logprobs.remote([samples[i] for i in parts[r["dp_rank"]]])
-                        for w, r in zip(self.workers, self.ranks)])
+        with self._lock:
+            outs = ray.get([w.logprobs.remote([samples[i] for i in parts[r["dp_rank"]]])
+                            for w, r in zip(self.workers, self.ranks)])
         result: list[Any] = [None] * len(samples)
         for out, r in zip(outs, self.ranks):
             if out is not None:
@@ -214,26 +249,33 @@ class TrainerGroup:
                     result[i] = lp
         return result
 
-    def sync_weights(self, engine_actors: Sequence[Any], *, bucket_bytes: int, weight_version: str | None = None) -> int:
+    def sync_weights(self, engine_actors: Sequence[Any], *, bucket_bytes: int, weight_version: str | None = None,
+                     reset_links: bool = False) -> int:
+        """Push the current weights to the engines (see TrainerWorker.sync_weights);
+        `reset_links`: an engine behind one of the URLs was restarted."""
         import ray
 
-        return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version)
-                        for w in self.workers])[0]
+        with self._lock:
+            return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version, reset_links)
+                            for w in self.workers])[0]
 
     def export_hf(self) -> dict[str, Any]:
         import ray
 
-        return next(sd for sd in ray.get([w.export_hf.remote() for w in self.workers]) if sd is not None)
+        with self._lock:
+            return next(sd for sd in ray.get([w.export_hf.remote() for w in self.workers]) if sd is not None)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         import ray
 
-        ray.get([w.save.remote(path, extra) for w in self.workers])
+        with self._lock:
+            ray.get([w.save.remote(path, extra) for w in self.workers])
 
     def load(self, path: str) -> dict[str, Any]:
         import ray
 
-        return ray.get([w.load.remote(path) for w in self.workers])[0]
+        with self._lock:
+            return ray.get([w.load.remote(path) for w in self.workers])[0]
 
     def shutdown(self) -> None:
         import ray

@@ -153,6 +153,9 @@ class RewardConfig(Sealable):
     _target_: str = MISSING
     tolerance: float = 0.0
     relative: bool = False
+    # reward of a well-formed boxed answer that is wrong, in [0, 1); no answer, or one
+    # offering more values than the label, still scores 0; a match scores 1
+    format_score: float = 0.0
     timeout_s: float = 1.0
     num_workers: int = 2  # worker processes scoring off the critical path; 0 = inline
     # the verifier of evaluations (`_target_` of a Verifier with its defaults); null: the
@@ -218,6 +221,9 @@ class DataConfig(Sealable):
     max_image_megapixels: float = 50.0  # larger images are skipped as bad rows
     image_cache_dir: str = "${model.cache_dir}/images"
     image_fetch_timeout_s: float = 10.0
+    # transient fetch failures (timeouts, 429/5xx) are retried with backoff; a row whose
+    # images still fail is skipped for that draw only, and for good after 3 such draws
+    image_fetch_retries: int = 3
     shuffle: bool = True
     seed: int = 42
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)

@@ -149,6 +149,9 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
             fail("hardware-backend", f"hardware.train_dtype={hw.train_dtype} needs cuda; CPU trains in float32")
     elif hw.dist_backend != "nccl":
         fail("hardware-backend", f"hardware.device=cuda needs dist_backend=nccl, got {hw.dist_backend}")
+    if not 0.0 <= cfg.reward.format_score < 1.0:
+        fail("reward-format-score", f"reward.format_score={cfg.reward.format_score} must be in [0, 1): the reward of "
+             "a well-formed wrong answer stays below a correct one's")
     mm_backends = sglang_choices("mm_attention_backend")
     if hw.sglang_mm_attention_backend not in (None, *mm_backends):
         fail("hardware-attention", f"hardware.sglang_mm_attention_backend={hw.sglang_mm_attention_backend!r} "

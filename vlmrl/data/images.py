@@ -4,8 +4,8 @@ A row's image may be a PIL image, a `{"bytes", "path"}` dict (HF `datasets`' sto
 its Image feature), raw bytes, a file path, an http(s) URL or a base64 data URI.
 `image_bytes` turns any of them except a PIL image into the encoded file bytes;
 `decode_image` turns any of them into an RGB image after checking its size from the
-file header, before a single pixel is decoded. URLs are fetched once with a timeout and
-cached on disk under the SHA-256 of the URL.
+file header, before a single pixel is decoded. URLs are fetched with a timeout, transient
+failures retried with backoff, and cached on disk under the SHA-256 of the URL.
 
 Errors are `ImageError`s whose `reason` names the failure class (unreadable image, fetch
 failure, too large). Their messages name the image, not the row: callers add the row.
@@ -18,8 +18,10 @@ import binascii
 import hashlib
 import io
 import os
+import random
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -39,9 +41,15 @@ class ImageError(ValueError):
 
 
 class ImageFetchError(ImageError):
-    """A URL that could not be fetched (offline, unreachable, HTTP error, timeout)."""
+    """A URL that could not be fetched (offline, unreachable, HTTP error, timeout), after
+    `attempts` tries; `transient` when a later try may succeed (connection failures,
+    timeouts, HTTP 408/429/5xx)."""
 
     reason = "image_fetch_failed"
+
+    def __init__(self, message: str, *, transient: bool = True, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.transient, self.attempts = transient, attempts
 
 
 class ImageTooLargeError(ImageError):
@@ -63,7 +71,8 @@ def describe(obj: Any) -> str:
     return type(obj).__name__
 
 
-def image_bytes(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeout_s: float = 10.0) -> bytes:
+def image_bytes(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeout_s: float = 10.0,
+                retries: int = 3) -> bytes:
     """The encoded file bytes of an image given as bytes, a `{"bytes", "path"}` dict, a file
     path, an http(s) URL or a base64 data URI; a PIL image is encoded as PNG."""
     if isinstance(obj, Image.Image):
@@ -74,13 +83,13 @@ def image_bytes(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeout
         if obj.get("bytes"):
             return bytes(obj["bytes"])
         if obj.get("path"):
-            return image_bytes(obj["path"], cache_dir=cache_dir, timeout_s=timeout_s)
+            return image_bytes(obj["path"], cache_dir=cache_dir, timeout_s=timeout_s, retries=retries)
         raise ImageError("image dict has neither bytes nor path")
     if isinstance(obj, str):
         if obj.startswith("data:"):
             return _decode_data_uri(obj)
         if obj.startswith(("http://", "https://")):
-            return fetch_url(obj, cache_dir=cache_dir, timeout_s=timeout_s)
+            return fetch_url(obj, cache_dir=cache_dir, timeout_s=timeout_s, retries=retries)
         path = Path(obj.removeprefix("file://"))
         try:
             return path.read_bytes()
@@ -90,7 +99,7 @@ def image_bytes(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeout
 
 
 def decode_image(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeout_s: float = 10.0,
-                 max_megapixels: float | None = None) -> Image.Image:
+                 max_megapixels: float | None = None, retries: int = 3) -> Image.Image:
     """`obj` (any form `image_bytes` accepts, or a PIL image) as a fully loaded RGB image.
 
     With `max_megapixels`, a larger image raises `ImageTooLargeError` after reading only its
@@ -100,7 +109,7 @@ def decode_image(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeou
     if isinstance(obj, Image.Image):
         _check_size(obj.size, max_megapixels)
         return obj if obj.mode == "RGB" else obj.convert("RGB")
-    data = image_bytes(obj, cache_dir=cache_dir, timeout_s=timeout_s)
+    data = image_bytes(obj, cache_dir=cache_dir, timeout_s=timeout_s, retries=retries)
     try:
         if max_megapixels is None:
             img = Image.open(io.BytesIO(data))
@@ -116,21 +125,36 @@ def decode_image(obj: Any, *, cache_dir: str | os.PathLike | None = None, timeou
         raise ImageError(f"cannot decode image ({describe(obj)}): {e}") from e
 
 
-def fetch_url(url: str, *, cache_dir: str | os.PathLike | None = None, timeout_s: float = 10.0) -> bytes:
+_TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def fetch_url(url: str, *, cache_dir: str | os.PathLike | None = None, timeout_s: float = 10.0,
+              retries: int = 3, backoff_s: float = 0.5) -> bytes:
     """The body of `url`, from `cache_dir/<sha256(url)>` when cached, else fetched with a
-    timeout and written there atomically. Failures raise `ImageFetchError`."""
+    timeout and written there atomically. Transient failures (connection errors, timeouts,
+    HTTP 408/429/5xx) are retried `retries` times with exponential backoff and jitter;
+    what still fails raises `ImageFetchError` (permanent HTTP errors at once)."""
     cached = Path(cache_dir) / hashlib.sha256(url.encode()).hexdigest() if cache_dir else None
     if cached is not None and cached.is_file():
         return cached.read_bytes()
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            data = response.read()
-    except urllib.error.HTTPError as e:
-        raise ImageFetchError(f"cannot fetch image {url}: HTTP {e.code} {e.reason}") from e
-    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
-        why = getattr(e, "reason", None) or e
-        raise ImageFetchError(f"cannot fetch image {url} (timeout {timeout_s:g}s): {why}; offline or "
-                              "unreachable? Pre-fetch the images or use a local copy of the dataset") from e
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                data = response.read()
+            break
+        except urllib.error.HTTPError as e:
+            error = ImageFetchError(f"cannot fetch image {url}: HTTP {e.code} {e.reason} (attempt {attempt})",
+                                    transient=e.code in _TRANSIENT_HTTP, attempts=attempt)
+        except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
+            why = getattr(e, "reason", None) or e
+            error = ImageFetchError(f"cannot fetch image {url} (timeout {timeout_s:g}s, attempt {attempt}): {why}; "
+                                    "offline or unreachable? Pre-fetch the images or use a local copy of the dataset",
+                                    transient=not isinstance(e, ValueError), attempts=attempt)
+        if not error.transient or attempt > retries:
+            raise error
+        time.sleep(min(backoff_s * 2 ** (attempt - 1), 30.0) * (0.5 + random.random() / 2))
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{cached.name}-", dir=cached.parent)

@@ -44,7 +44,8 @@ class RowError(ValueError):
 
 @dataclass
 class SkipStats:
-    """Skipped rows counted by reason; the first `max_examples` row indices of each reason are
+    """Skips counted by reason (a row whose images failed to fetch counts once per failed
+    draw); the first `max_examples` row indices of each reason are
     kept (and logged as warnings) so the log names offending rows without flooding."""
 
     split: str = ""
@@ -136,7 +137,7 @@ def row_fields(row: Mapping[str, Any], cfg: DataConfig) -> tuple[str, str, list[
 
 
 def load_images(raw: Sequence[Any], processor: Any, *, cache_dir: str | None = None, timeout_s: float = 10.0,
-                max_megapixels: float | None = None) -> list[Image.Image]:
+                max_megapixels: float | None = None, retries: int = 3) -> list[Image.Image]:
     """Decode a row's images and shrink any above the processor's max pixels (see `fit_pixels`).
 
     Raises `RowError` with the image's failure reason and position."""
@@ -144,7 +145,8 @@ def load_images(raw: Sequence[Any], processor: Any, *, cache_dir: str | None = N
     images = []
     for position, obj in enumerate(raw):
         try:
-            img = decode_image(obj, cache_dir=cache_dir, timeout_s=timeout_s, max_megapixels=max_megapixels)
+            img = decode_image(obj, cache_dir=cache_dir, timeout_s=timeout_s, max_megapixels=max_megapixels,
+                               retries=retries)
         except ImageError as e:
             raise RowError(e.reason, f"image {position}: {e}") from e
         images.append(fit_pixels(img, max_pixels))
@@ -158,7 +160,8 @@ def build_prompt(row: Mapping[str, Any], cfg: DataConfig, processor: Any, *, ind
         problem, answer, raw_images = row_fields(row, cfg)
         messages = user_messages(problem, len(raw_images), cfg.instruction)
         images = load_images(raw_images, processor, cache_dir=cfg.image_cache_dir or None,
-                             timeout_s=cfg.image_fetch_timeout_s, max_megapixels=cfg.max_image_megapixels)
+                             timeout_s=cfg.image_fetch_timeout_s, max_megapixels=cfg.max_image_megapixels,
+                             retries=cfg.image_fetch_retries)
         text = render_prompt(processor, messages)
         length = prompt_length(processor, text, images)
         if length > cfg.max_prompt_length:
@@ -246,8 +249,13 @@ class PromptDataset:
     position in it is `state_dict()` / `load_state_dict()` for resume. Iterating yields
     every valid prompt once in epoch 0's order, the same on every call (evaluation).
     Invalid rows are skipped and counted in `skips` (each row once: known bad rows are
-    remembered); a split with no valid row raises instead of looping.
+    remembered). A row whose image could not be fetched is skipped for that draw only and
+    drawn again later (a network failure is not a property of the row), until it has failed
+    `FETCH_FAILURES_BEFORE_SKIP` draws. A stream that finds no valid row in a whole pass
+    raises instead of looping.
     """
+
+    FETCH_FAILURES_BEFORE_SKIP = 3
 
     def __init__(self, cfg: DataConfig, split: str, processor: Any, *, rows: Any = None):
         """`rows`: a `datasets.Dataset` or a sequence of row dicts; default `load_split(cfg, split)`."""
@@ -260,6 +268,7 @@ class PromptDataset:
         self.skips = SkipStats(split)
         self.epoch, self.position = 0, 0
         self._bad: set[int] = set()
+        self._fetch_failures: Counter[int] = Counter()
         self._order: tuple[int, list[int]] | None = None
 
     def __len__(self) -> int:
@@ -285,8 +294,9 @@ class PromptDataset:
     def sample_batch(self, n: int) -> list[Prompt]:
         """The next `n` valid prompts of the stream (crossing into the next epoch as needed)."""
         batch: list[Prompt] = []
+        misses = 0  # draws in a row that gave no prompt
         while len(batch) < n:
-            if len(self._bad) >= len(self.rows):
+            if len(self._bad) >= len(self.rows) or misses >= len(self.rows):
                 raise RuntimeError(f"no valid row in split {self.split!r} ({len(self.rows)} rows): "
                                    f"{self.skips.summary()}")
             if self.position >= len(self.rows):
@@ -296,6 +306,9 @@ class PromptDataset:
             prompt = self._prompt(index)
             if prompt is not None:
                 batch.append(prompt)
+                misses = 0
+            else:
+                misses += 1
         return batch
 
     def state_dict(self) -> dict[str, int]:
@@ -308,8 +321,14 @@ class PromptDataset:
         if index in self._bad:
             return None
         try:
-            return build_prompt(self.rows[index], self.cfg, self.processor, index=index, split=self.split)
+            prompt = build_prompt(self.rows[index], self.cfg, self.processor, index=index, split=self.split)
         except RowError as e:
-            self._bad.add(index)
             self.skips.add(e)
+            if e.reason == "image_fetch_failed":
+                self._fetch_failures[index] += 1
+                if self._fetch_failures[index] < self.FETCH_FAILURES_BEFORE_SKIP:
+                    return None  # drawn again later
+            self._bad.add(index)
             return None
+        self._fetch_failures.pop(index, None)
+        return prompt

@@ -5,6 +5,19 @@ Metric keys written by the loop (values are floats):
 rollout
   rollout/raw_reward            mean verifier reward over the step's samples, before
                                 advantage normalisation
+  rollout/accuracy              fraction of the step's samples with reward 1 (differs from
+                                raw_reward under reward.format_score)
+  rollout/dropped_groups        groups lost after every retry (never scored)
+  rollout/retries               requests sent again after a failure
+  rollout/engine_restarts       engines restarted after their process died (and re-synced)
+  rollout/stale_samples         samples whose engine weight_version is not the last synced
+                                one (async mode: all; else a sync that did not land)
+  rollout/invalid_samples       responses left out for containing an image placeholder
+  rollout/prompt_mismatch_samples
+                                samples left out because the engine tokenised the prompt
+                                differently (image pixel bounds, chat template)
+  rollout/reward_timeouts       verifier calls that hit reward.timeout_s (scored 0)
+  data/skipped_rows             dataset rows skipped so far (data.skips, by reason in the log)
   rollout/response_len/mean     mean response length in tokens
   rollout/truncated_ratio       fraction of responses cut at the max new tokens
 eval (every `eval_interval` steps, one pair per eval dataset)
@@ -48,6 +61,7 @@ import math
 from typing import Any
 
 ROLLOUT_RAW_REWARD = "rollout/raw_reward"
+ROLLOUT_ACCURACY = "rollout/accuracy"
 ROLLOUT_RESPONSE_LEN_MEAN = "rollout/response_len/mean"
 ROLLOUT_TRUNCATED_RATIO = "rollout/truncated_ratio"
 
@@ -70,7 +84,7 @@ PERF_STEP_TIME = "perf/step_time"
 PERF_TOKENS_PER_GPU_PER_SEC = "perf/tokens_per_gpu_per_sec"
 
 # Every fixed key (eval keys depend on the dataset names: see eval_key).
-ROLLOUT_KEYS = (ROLLOUT_RAW_REWARD, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_TRUNCATED_RATIO)
+ROLLOUT_KEYS = (ROLLOUT_RAW_REWARD, ROLLOUT_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_TRUNCATED_RATIO)
 TRAIN_KEYS = (
     TRAIN_LOSS,
     TRAIN_PG_LOSS,

@@ -68,10 +68,18 @@ class HTTPEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
         self._sem: asyncio.Semaphore | None = None
+        self._stale: list[Any] = []  # sessions left by `rebase`
         self.stats = {"requests": 0, "retries": 0, "failures": 0}
 
     def __repr__(self) -> str:
         return f"HTTPEngine({self.base_url!r})"
+
+    def rebase(self, base_url: str) -> None:
+        """Point at a restarted server's address (its connections are dropped)."""
+        self.base_url = base_url.rstrip("/")
+        if self._session is not None and not self._session.closed:
+            self._stale.append(self._session)  # closed by the next close() on its loop
+        self._session = None
 
     # ----------------------------------------------------------------- plumbing
     def _ensure(self) -> tuple[Any, asyncio.Semaphore]:
@@ -272,6 +280,13 @@ class HTTPEngine:
         await self.close()
 
     async def close(self) -> None:
+        stale, self._stale = self._stale, []
+        for session in stale:
+            if not session.closed:
+                try:
+                    await session.close()
+                except RuntimeError:  # another event loop's
+                    pass
         if self._session is not None and not self._session.closed:
             try:
                 if self._loop is asyncio.get_running_loop():

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .faults import KillSwitch
 from .protocol import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -153,6 +154,8 @@ class EmbeddedEngine:
         self.image_token_id = int(cfg.image_token_id)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.merge_size = int(cfg.vision_config.spatial_merge_size)
+        text_cfg = getattr(cfg, "text_config", cfg)
+        self.context_length = int(getattr(text_cfg, "max_position_embeddings", None) or 1 << 30)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         eos: set[int] = set()
         if self.tokenizer.eos_token_id is not None:
@@ -171,6 +174,7 @@ class EmbeddedEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.weight_version = "0"
         self.released_tags: set[str] = set()  # memory given up (colocated training)
+        self.kill_switch = KillSwitch.from_env()
         self._lock = threading.Lock()  # one batch (or weight update) at a time
         self._prompt_cache: OrderedDict[Any, _Prepared] = OrderedDict()
         self._prompt_cache_size = int(prompt_cache_size)
@@ -220,6 +224,9 @@ class EmbeddedEngine:
                                       retryable=False, status=400)
         if ids.numel() == 0:
             raise EngineError("empty prompt", retryable=False, status=400)
+        if ids.numel() >= self.context_length:
+            raise EngineError(f"the prompt has {ids.numel()} tokens; the model's context is {self.context_length}",
+                              retryable=False, status=400)
         if grid is not None:
             mm = (ids == self.image_token_id).long()[None]
             pos, _ = self.model.model.get_rope_index(ids[None], mm_token_type_ids=mm, image_grid_thw=grid)
@@ -445,6 +452,8 @@ class EmbeddedEngine:
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         futures = self._get_batcher().submit(list(requests))
+        if self.kill_switch is not None:  # fault injection (vlmrl.rollout.faults), tests only
+            self.kill_switch.count(len(requests))
         return list(await asyncio.gather(*futures))
 
     async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, Any]], *,

@@ -5,7 +5,10 @@ sample, each with its own derived seed), keeps at most `max_in_flight` requests 
 across all engines (each request goes to the least-loaded engine, ties broken round-robin),
 and shows a rich progress bar. Partial failures are handled explicitly: a failed request
 is retried up to `max_retries` times with exponential backoff, on another engine when
-there is one; if it still fails, its whole group is dropped (its other requests are
+there is one. An engine that stops answering its health check after a failure (its
+process died) is restarted through `restart_engine` (once, whatever the number of its
+requests that failed) and the lost requests retried, counted in `stats.retries` and
+`stats.engine_restarts`. A request that still fails drops its whole group (its other requests are
 cancelled) and counted in `stats.dropped_groups` - a dropped group never reaches the
 scorer, so nothing is silently scored zero. Records come back in batch order (group,
 then sample), complete groups only; a row drawn twice in one batch makes two groups, with
@@ -21,7 +24,7 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +77,7 @@ class RolloutStats:
     dropped_prompt_indices: list[int] = field(default_factory=list)
     failed_attempts: int = 0
     retries: int = 0
+    engine_restarts: int = 0
     generated_tokens: int = 0
     truncated: int = 0
     seconds: float = 0.0
@@ -86,7 +90,8 @@ class RolloutStats:
     def as_dict(self) -> dict[str, Any]:
         return {"prompts": self.prompts, "requests": self.requests, "completed_groups": self.completed_groups,
                 "dropped_groups": self.dropped_groups, "failed_attempts": self.failed_attempts,
-                "retries": self.retries, "generated_tokens": self.generated_tokens, "truncated": self.truncated,
+                "retries": self.retries, "engine_restarts": self.engine_restarts,
+                "generated_tokens": self.generated_tokens, "truncated": self.truncated,
                 "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
 
@@ -142,9 +147,14 @@ class RolloutManager:
         request_timeout_s: float | None = None,
         seed: int = 0,
         progress: bool = True,
+        restart_engine: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
+        # called with an engine's index when a request failed on it and it no longer answers
+        # its health check (the process died): brings it back with the current weights
+        self.restart_engine = restart_engine
+        self._incarnation = [0] * len(engines)  # restarts of each engine so far
         self.engines = list(engines)
         self.n_samples = int(n_samples)
         self.sampling = sampling or SamplingParams()
@@ -162,7 +172,8 @@ class RolloutManager:
 
     @classmethod
     def from_config(cls, engines: Sequence[Engine], rollout: Any, *, n_samples: int, seed: int = 0,
-                    progress: bool = True, eval_mode: bool = False) -> RolloutManager:
+                    progress: bool = True, eval_mode: bool = False,
+                    restart_engine: Callable[[int], Awaitable[None]] | None = None) -> RolloutManager:
         """From a `RolloutConfig` section (eval: rollout.eval's temperature / n / length)."""
         max_new = rollout.max_new_tokens
         temperature = rollout.temperature
@@ -175,7 +186,7 @@ class RolloutManager:
                                   stop_token_ids=tuple(rollout.stop_token_ids))
         return cls(engines, n_samples=n_samples, sampling=sampling, max_in_flight=rollout.max_in_flight,
                    max_retries=rollout.max_retries, request_timeout_s=rollout.request_timeout_s, seed=seed,
-                   progress=progress)
+                   progress=progress, restart_engine=restart_engine)
 
     # ----------------------------------------------------------------- dispatch
     def _pick(self, exclude: set[int]) -> int:
@@ -188,13 +199,31 @@ class RolloutManager:
     def _backoff(self, attempt: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
 
-    async def _one(self, req: GenerateRequest, sem: asyncio.Semaphore, stats: RolloutStats) -> tuple[GenerateResult, str, int]:
+    async def _recover(self, i: int, incarnation: int, stats: RolloutStats, locks: list[asyncio.Lock]) -> bool:
+        """After a failure on engine i: if it no longer answers its health check, restart it
+        (once, however many of its requests failed: the first to get the lock restarts, the
+        others find a newer incarnation). True when the engine is (again) usable."""
+        if self.restart_engine is None:
+            return False
+        if await _healthy(self.engines[i]):
+            return False  # the engine is up: an ordinary failure, retried as such
+        async with locks[i]:
+            if self._incarnation[i] == incarnation:
+                log.warning("engine %s is down: restarting it", self.engines[i].name)
+                await self.restart_engine(i)
+                self._incarnation[i] += 1
+                stats.engine_restarts += 1
+        return True
+
+    async def _one(self, req: GenerateRequest, sem: asyncio.Semaphore, stats: RolloutStats,
+                   locks: list[asyncio.Lock]) -> tuple[GenerateResult, str, int]:
         failed_on: set[int] = set()
         attempt = 0
         while True:
             async with sem:
                 i = self._pick(failed_on)
                 engine = self.engines[i]
+                incarnation = self._incarnation[i]
                 self._inflight[i] += 1
                 try:
                     # a retry gets its own id: the engine may still hold the failed attempt's
@@ -215,7 +244,10 @@ class RolloutManager:
             log.warning("request (rid=%s) failed on %s (attempt %d): %s", req.rid, engine.name, attempt + 1, err)
             if not retryable or attempt >= self.max_retries:
                 raise err
-            failed_on.add(i)
+            if await self._recover(i, incarnation, stats, locks):
+                failed_on.discard(i)  # restarted: as good as new
+            else:
+                failed_on.add(i)
             if len(failed_on) == len(self.engines):
                 failed_on.clear()
             stats.retries += 1
@@ -230,12 +262,13 @@ class RolloutManager:
         t0 = time.perf_counter()
         stats = RolloutStats(prompts=len(prompts), requests=len(prompts) * n)
         sem = asyncio.Semaphore(self.max_in_flight)
+        locks = [asyncio.Lock() for _ in self.engines]  # one restart at a time per engine
         groups: list[_Group] = []
         progress, task_id = self._progress(description, len(prompts) * n)
 
         async def run(g: _Group, j: int, req: GenerateRequest) -> None:
             try:
-                g.results[j] = await self._one(req, sem, stats)
+                g.results[j] = await self._one(req, sem, stats, locks)
             except asyncio.CancelledError:
                 return
             except Exception as e:  # noqa: BLE001
@@ -349,6 +382,13 @@ class RolloutManager:
 
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         await asyncio.gather(*(e.resume_memory_occupation(tags) for e in self.engines))
+
+
+async def _healthy(engine: Any, timeout_s: float = 10.0) -> bool:
+    try:
+        return bool(await asyncio.wait_for(engine.health(), timeout_s))
+    except Exception:  # noqa: BLE001 (no answer is unhealthy)
+        return False
 
 
 async def close_sessions(engines: Sequence[Any]) -> None:

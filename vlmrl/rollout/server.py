@@ -61,12 +61,30 @@ def _error(message: str, status: int, *, retryable: bool) -> Any:
                              status=status)
 
 
-async def _json(request: Any) -> dict[str, Any]:
+async def _json(request: Any, limit: int | None = None) -> dict[str, Any]:
+    """The JSON object of the body; with `limit`, a body longer than `limit` bytes (declared
+    or streamed) is refused with 413 without being read whole."""
+    import json
+
     if not request.can_read_body:
         return {}
+    if limit is None:
+        raw = await request.read()
+    else:
+        if request.content_length is not None and request.content_length > limit:
+            raise EngineError(f"request body of {request.content_length / (1 << 20):.1f} MiB exceeds the "
+                              f"server's {limit / (1 << 20):.0f} MiB limit", retryable=False, status=413)
+        chunks, size = [], 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise EngineError(f"request body exceeds the server's {limit / (1 << 20):.0f} MiB limit",
+                                  retryable=False, status=413)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
     try:
-        body = await request.json()
-    except Exception as e:
+        body = json.loads(raw) if raw else None
+    except ValueError as e:
         raise EngineError(f"body is not JSON: {e}", retryable=False, status=400) from e
     if body is None:
         return {}
@@ -75,18 +93,65 @@ async def _json(request: Any) -> dict[str, Any]:
     return body
 
 
-def build_app(engine: Any) -> Any:
-    """The aiohttp application serving `engine` (an `Engine`, usually EmbeddedEngine)."""
+def sampling_rules() -> tuple[frozenset[str], dict[str, Any]]:
+    """(every sampling parameter SGLang's /generate schema accepts, the default of each),
+    from the contract generated from SGLang's source (sglang_contract.json)."""
+    import ast
+
+    from .sglang_contract import load_contract, parse_field
+
+    fields = load_contract()["api_schema"]["SamplingParams"]["fields"]
+    defaults = {}
+    for name, spec in fields.items():
+        default = parse_field(spec)[2]
+        try:
+            defaults[name] = ast.literal_eval(default) if default is not None else None
+        except ValueError:
+            defaults[name] = default
+    return frozenset(fields), defaults
+
+
+# what the embedded engine implements (the rest of SGLang's parameters only at their defaults)
+SUPPORTED_SAMPLING = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
+                                "sampling_seed", "ignore_eos"})
+
+
+def check_sampling(params: Any, known: frozenset[str], defaults: dict[str, Any]) -> None:
+    """SGLang refuses sampling parameters its schema does not define (HTTP 400); the embedded
+    engine also refuses, rather than ignores, SGLang's parameters it does not implement when
+    they are set to anything but their default."""
+    for d in params if isinstance(params, list) else [params]:
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise EngineError("'sampling_params' must be an object (or a list of objects)", retryable=False, status=400)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise EngineError(f"unknown sampling parameters {unknown}", retryable=False, status=400)
+        unsupported = sorted(k for k, v in d.items() if k not in SUPPORTED_SAMPLING and v != defaults.get(k))
+        if unsupported:
+            raise EngineError(f"sampling parameters {unsupported} are not implemented by the embedded engine "
+                              f"(it implements {sorted(SUPPORTED_SAMPLING)})", retryable=False, status=400)
+
+
+def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: float = 16384.0) -> Any:
+    """The aiohttp application serving `engine` (an `Engine`, usually EmbeddedEngine).
+
+    A /generate body larger than `max_generate_mb` is refused with 413 before it is read;
+    weight-update bodies may be up to `max_weights_mb` (a bucket of base64 tensors)."""
     from aiohttp import web
 
-    app = web.Application(client_max_size=1 << 34)
+    app = web.Application(client_max_size=int(max_weights_mb * (1 << 20)))
+    known_sampling, sampling_defaults = sampling_rules()
+    generate_limit = int(max_generate_mb * (1 << 20))
     groups: dict[str, Any] = {}  # weight update groups this server joined (receiving side)
     in_flight: set[str] = set()  # request ids being served (SGLang refuses a duplicate one)
 
     async def generate(request: web.Request) -> web.Response:
         rids: list[str] = []
         try:
-            body = await _json(request)
+            body = await _json(request, generate_limit)
+            check_sampling(body.get("sampling_params"), known_sampling, sampling_defaults)
             reqs, is_batch, want_prompt_ids = requests_from_sglang(body)
             for q in reqs:
                 if q.rid is None:
@@ -246,11 +311,12 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-    """Serve `engine` on the running event loop; port 0 picks a free port."""
+async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, **app_kwargs: Any) -> RunningServer:
+    """Serve `engine` on the running event loop; port 0 picks a free port; `app_kwargs` go
+    to `build_app` (body limits)."""
     from aiohttp import web
 
-    runner = web.AppRunner(build_app(engine), access_log=None)
+    runner = web.AppRunner(build_app(engine, **app_kwargs), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -261,11 +327,12 @@ async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0) -> R
 class ThreadedServer:
     """The server on its own event loop in a daemon thread (for tests and in-process use)."""
 
-    def __init__(self, engine: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: Any, host: str = "127.0.0.1", port: int = 0, **app_kwargs: Any) -> None:
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._server: RunningServer | None = None
         self._error: BaseException | None = None
+        self._app_kwargs = app_kwargs
         self.thread = threading.Thread(target=self._main, args=(engine, host, port), daemon=True,
                                        name="vlmrl-rollout-server")
         self.thread.start()
@@ -278,7 +345,7 @@ class ThreadedServer:
     def _main(self, engine: Any, host: str, port: int) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self._server = self.loop.run_until_complete(start_server(engine, host, port))
+            self._server = self.loop.run_until_complete(start_server(engine, host, port, **self._app_kwargs))
         except BaseException as e:  # noqa: BLE001
             self._error = e
             self._ready.set()

@@ -1,0 +1,40 @@
+"""Fault injection, for tests of what the loop survives.
+
+`VLMRL_FAULT_KILL_ENGINE="<n>:<marker file>"` in the environment of an embedded engine's
+process makes it kill itself with SIGKILL (no cleanup, as an out-of-memory kill or a node
+failure would) when its n-th generate request arrives, with requests still in flight. It
+does so once: it writes the marker file first, and a restarted engine that finds the file
+lives on. Unset, nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+KILL_ENGINE_ENV = "VLMRL_FAULT_KILL_ENGINE"
+
+
+class KillSwitch:
+    """Counts generate requests and SIGKILLs this process at the configured one."""
+
+    def __init__(self, after: int, marker: Path) -> None:
+        self.after, self.marker, self.seen = int(after), Path(marker), 0
+
+    @classmethod
+    def from_env(cls) -> KillSwitch | None:
+        spec = os.environ.get(KILL_ENGINE_ENV)
+        if not spec:
+            return None
+        after, _, marker = spec.partition(":")
+        if not after.isdigit() or not marker:
+            raise ValueError(f"{KILL_ENGINE_ENV}={spec!r}: expected '<requests>:<marker file>'")
+        return None if Path(marker).exists() else cls(int(after), Path(marker))
+
+    def count(self, requests: int) -> None:
+        self.seen += requests
+        if self.seen >= self.after and not self.marker.exists():
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"{os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
