@@ -351,6 +351,44 @@ def test_weight_payloads_are_one_per_engine_rank(engine, server):
         _run(engine.update_weights_from_tensor([("model.norm.weight", original)], weight_version="0"))
 
 
+class _Payload:
+    """A pickle that would run a shell command if its globals were trusted."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_ipc_payloads_unpickle_only_torch_objects(engine, server, tmp_path):
+    """SGLang's default payload is a pickle (CUDA-IPC handles). The embedded server reads it on a
+    GPU engine and unpickles torch's rebuild functions, storages and dtypes, nothing else; on a
+    CPU engine it answers 400 naming the format it reads."""
+    import base64
+    import pickle
+
+    import torch
+
+    from vlmrl.rollout.weights import load_ipc
+
+    marker = tmp_path / "ran"
+    evil = pickle.dumps([("model.norm.weight", _Payload(marker))])
+    with pytest.raises(pickle.UnpicklingError, match="only refer to torch objects, not posix.system"):
+        load_ipc(evil)
+    assert not marker.exists()
+    client = HTTPEngine(server.url)
+    try:
+        with pytest.raises(EngineError, match="needs the engine on a GPU" if not torch.cuda.is_available()
+                           else "only refer to torch objects"):
+            _run(client.update_weights_from_serialized([base64.b64encode(evil).decode()]))
+    finally:
+        _run(client.close())
+    assert not marker.exists()
+
+
 def test_rank_payloads_are_gathered_in_engine_rank_order():
     """Over gloo: every trainer rank serializes its own copy; rank 0 receives them per
     engine in TP-rank order (each from the rank on that engine rank's device)."""

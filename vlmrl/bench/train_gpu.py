@@ -33,6 +33,7 @@ Variants (all on the same weights' shapes):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -160,6 +161,40 @@ def host_profile(step: Any, name: str) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(CPROFILE_TOP)
 
 
+SYNC_DEBUG = False  # --sync-debug: list the calls of one step that wait for the GPU
+
+
+def sync_points(step: Any, name: str) -> list[str]:
+    """Where one step makes the host wait for the GPU (torch's sync debug mode), by call site."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def hook(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" not in str(message):  # other warnings of the step are not syncs
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        inner = [f for f in frames if "/torch/" not in f.filename][-2:]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(inner))] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = hook
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = hook
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    out = [f"{n:4d}  {site}" for site, n in sites.most_common()]
+    print(f"--- {name}: {sum(sites.values())} host syncs in one step", *out, sep="\n", flush=True)
+    return out
+
+
 def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
     """Wall seconds per step, and host seconds (until the step has queued its last kernel:
     close to the wall time means the step is bound by Python / kernel launches)."""
@@ -220,6 +255,8 @@ def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -
     r = timed(step, iters, warmup)
     if PROFILE_TOP:
         profile(step, "hf_qwen35_moe")
+    if SYNC_DEBUG and CUDA:
+        r["sync_points"] = sync_points(step, "hf_qwen35_moe")
     return {**r, "params": params_of(model)}
 
 
@@ -263,6 +300,8 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         profile(step, f"vlmrl (fused={fused})")
     if CPROFILE_TOP:
         host_profile(step, f"vlmrl (fused={fused})")
+    if SYNC_DEBUG and CUDA:
+        r["sync_points"] = sync_points(step, f"vlmrl (fused={fused})")
     n = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
     destroy_parallel_state()
     return {**r, "params": n}
@@ -287,9 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
+    ap.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step per variant")
     args = ap.parse_args(argv)
-    global PROFILE_TOP, CPROFILE_TOP
-    PROFILE_TOP, CPROFILE_TOP = args.profile, args.cprofile
+    global PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG
+    PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG = args.profile, args.cprofile, args.sync_debug
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
@@ -330,23 +370,27 @@ def main(argv: list[str] | None = None) -> int:
                      "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
                      "params": r["params"],
                      "spread_s": [min(r["times"]), max(r["times"])],
-                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None})
+                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None,
+                     **({"sync_points": r["sync_points"]} if "sync_points" in r else {})})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
               f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms) "
               f"peak {rows[-1]['peak_memory_gib'] or 0:.1f} GiB", flush=True)
-    base = next((r for r in rows if r["variant"].startswith("hf_")), None)
+    base = None  # each row against the HF row measured last before it (pairs: --variants a,b,a,b)
     for r in rows:
+        if r["variant"].startswith("hf_"):
+            base = r
         r["vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
     result = {
         "command": "python -m vlmrl.bench.train_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(0) if CUDA else "cpu", "torch": torch.__version__,
-        "shape": vars(args), "rows": rows,
+        "args": vars(args), "model": dataclasses.asdict(mcfg.lm),
+        "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"train_gpu_{args.shape}.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({r["variant"]: round(r["vs_hf"] or 0, 3) for r in rows}))
+    print(json.dumps([[r["variant"], round(r["vs_hf"] or 0, 3)] for r in rows]))
     return 0
 
 

@@ -66,10 +66,10 @@ class TrainerWorker:
         """Gather the weights (collective) and, on global rank 0, push every bucket to every
         engine: embedded engine actors (Ray handles) or servers speaking SGLang's protocol (URLs). Returns the
         number of bytes sent per engine."""
-        import ray
-
         if engines and isinstance(engines[0], str):
             return self._sync_http(list(engines), bucket_bytes, weight_version, reset=reset_links)
+        import ray
+
         sent = 0
         for bucket in self.trainer.iter_hf_weights(bucket_bytes):
             if self.rank == 0:

@@ -178,6 +178,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
                             pre_process=pre, post_process=post, vp_stage=vp_stage,
                             vision_attn_implementation=vision_attn_implementation,
                             vision_tower_class=families.get(model.family).vision_tower_class(vision_cfg))
+        if model.lm.num_experts:
+            from .moe import use_local_dispatch
+
+            use_local_dispatch(chunk)
         chunks.append(chunk.to(compat.device()))
     return chunks
 

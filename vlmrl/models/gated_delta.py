@@ -225,23 +225,29 @@ def _fla() -> tuple:
     return fla_conv, fla_rule
 
 
-def fla_causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """fla's varlen causal convolution + SiLU of packed x [T, C] (weight [C, K])."""
+def fla_causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None = None) -> Tensor:
+    """fla's varlen causal convolution + SiLU of packed x [T, C] (weight [C, K]).
+
+    cu_seqlens_cpu: the same offsets on the host, so fla builds its indices without copying
+    them back from the GPU (a host sync per call otherwise)."""
     fla_conv, _ = _fla()
     out = fla_conv(x.unsqueeze(0), weight=weight.to(x.dtype), bias=None, activation="silu",
-                   cu_seqlens=cu_seqlens)
+                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     out = out[0] if isinstance(out, tuple) else out
     return out.squeeze(0)
 
 
-def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor) -> Tensor:
+def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                         cu_seqlens_cpu: Tensor | None = None) -> Tensor:
     """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]
-    (value heads grouped over key heads natively: fla's GVA)."""
+    (value heads grouped over key heads natively: fla's GVA); cu_seqlens_cpu as in
+    `fla_causal_conv1d`."""
     _, fla_rule = _fla()
     q, k, v = (t.contiguous() for t in (q, k, v))
     o, _ = fla_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=None,
-                    output_final_state=False, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+                    output_final_state=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                    use_qk_l2norm_in_kernel=True)
     return o.squeeze(0)
 
 

@@ -148,10 +148,12 @@ class GatedDeltaNet(MegatronModule):
         total = mixed.shape[0]
         bounds = gd.segment_bounds(lay["whole_offsets"][:-1], total)
         if self.backend == "fla":
-            cu = p._cache.get("gdn_cu")
+            cu, cu_host = p._cache.get("gdn_cu") or (None, None)
             if cu is None:
-                cu = p._cache["gdn_cu"] = gd.cu_seqlens_of(bounds, mixed.device)
-            mixed = gd.fla_causal_conv1d(mixed, conv_w, cu)
+                cu_host = gd.cu_seqlens_of(bounds, torch.device("cpu"))
+                cu = cu_host.to(mixed.device, non_blocking=True)
+                p._cache["gdn_cu"] = (cu, cu_host)
+            mixed = gd.fla_causal_conv1d(mixed, conv_w, cu, cu_host)
         else:
             mixed = gd.causal_conv1d(mixed, conv_w, bounds)
         mixed = mixed.view(total, heads_k, self.group)
@@ -159,7 +161,7 @@ class GatedDeltaNet(MegatronModule):
         v = v.reshape(total, heads_v, self.dv)
         g, beta = gd.decay_and_beta(a, b, a_log, dt_bias)
         if self.backend == "fla":
-            o = gd.fla_gated_delta_rule(q, k, v, g, beta, cu)
+            o = gd.fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host)
         else:
             o = gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
         o = gd.gated_rms_norm(o, z.view(total, heads_v, self.dv), self.norm.weight, self.eps)

@@ -16,6 +16,14 @@ loop over the experts that received tokens elsewhere. Expert parallelism shards 
 parallelism is not supported (validation asks for parallel.etp=1).
 
 The router's output weight of each token is applied after the down projection, as HF does.
+
+Where every expert of a MoE layer lives on this rank (expert parallel size 1, expert tensor
+parallel size 1, any TP/SP/CP/DP around it), `use_local_dispatch` gives Megatron's MoELayer
+one change: its tokens are dispatched by `LocalTokenDispatcher`, a stable sort by expert on the device whose
+split sizes stay on the device too. Megatron's all-to-all dispatcher copies them to the host
+in every MoE layer, forward and backward, which stalls the host until the GPU has caught up
+and leaves the step bound by kernel launches. With expert parallelism Megatron's dispatcher
+is kept.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
@@ -55,12 +64,15 @@ def expert_mlp(x: Tensor, tokens_per_expert: list[int] | Tensor, gate_up: Tensor
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, Tensor) else list(tokens_per_expert)
         parts = []
         start = 0
+        # unbind, not gate_up[e]: the backward of one unbind stacks the experts' gradients
+        # once, where each indexing's backward would write a zero-filled [E, ...] tensor
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = x[start:start + n]
-            g, u = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            parts.append(F.linear(F.silu(g) * u, down[e]))
+            g, u = F.linear(rows, gate_ups[e]).chunk(2, dim=-1)
+            parts.append(F.linear(F.silu(g) * u, downs[e]))
             start += n
         out = torch.cat(parts) if parts else x.new_zeros(0, down.shape[1])
         if start != x.shape[0]:
@@ -120,3 +132,73 @@ class HFExperts(MegatronModule):
                 f"{prefix}{name}", tensor, *sharded_offsets, (prepend, ep_rank, ep_size),
                 replica_id=(0, 0, dp_rank), prepend_axis_num=prepend)
         return out
+
+
+class LocalTokenDispatcher:
+    """Token dispatcher of a MoE layer whose experts are all local (see the module docstring).
+
+    dispatch: the k experts of each token (read from the router's routing map), a stable
+    argsort of the [N * k] expert ids (tokens stay in order within an expert, as in
+    Megatron's permutation), the rows gathered in that order with their router weights, and
+    the per-expert counts as a device tensor (column sums of the routing map). combine: the expert outputs
+    (already scaled by their weights) put back in token order and summed over the k choices.
+    Every shape is fixed by N and k, so nothing waits for the GPU.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig) -> None:
+        self.config = config
+        self.num_experts = num_local_experts
+        self.topk = config.moe_router_topk
+        self.shared_experts = None
+
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        self.shared_experts = shared_experts
+
+    def dispatch_preprocess(self, hidden_states: Tensor, routing_map: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+        self.hidden_shape = hidden_states.shape
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        k = self.topk
+        experts = routing_map.to(torch.uint8).topk(k, dim=1).indices  # [N, k], the k routed experts
+        weights = probs.gather(1, experts)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        self.order = order
+        # counts from the routing map: torch.bincount would read the largest id back to the host
+        self.tokens_per_expert = routing_map.sum(0)
+        rows = order.div(k, rounding_mode="floor")
+        return x.index_select(0, rows), weights.reshape(-1).index_select(0, order)
+
+    def token_dispatch(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return hidden_states, self.tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    def token_combine(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    def combine_postprocess(self, expert_output: Tensor) -> Tensor:
+        order = self.order
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = expert_output.index_select(0, inverse).view(-1, self.topk, expert_output.shape[-1]).sum(1)
+        self.order = self.tokens_per_expert = None
+        return out.view(self.hidden_shape)
+
+
+def use_local_dispatch(model: torch.nn.Module) -> int:
+    """Give every MoE layer of `model` whose experts are all local the `LocalTokenDispatcher`
+    (see the module docstring); returns how many layers took it."""
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, MoELayer):
+            continue
+        cfg = module.config
+        local = module.num_local_experts == cfg.num_moe_experts and (cfg.expert_tensor_parallel_size or 1) == 1
+        if local and not module.shared_expert_overlap:
+            module.token_dispatcher = LocalTokenDispatcher(module.num_local_experts, cfg)
+            n += 1
+    return n

@@ -12,8 +12,10 @@ SGLang server on GPUs and the embedded engine on a laptop. Routes (as in SGLang)
                                       "length": n}, "output_token_logprobs":
                                       [[logprob, token_id, null], ...]}, "prompt_token_ids"}
   POST /update_weights_from_tensor    SGLang's fields (serialized_named_tensors, load_format,
-                                      flush_cache, weight_version). CPU payload defined here:
-                                      each entry of `serialized_named_tensors` is base64 of
+                                      flush_cache, weight_version). Each entry of
+                                      `serialized_named_tensors` is base64 of SGLang's CUDA-IPC
+                                      pickle (GPU engines; only torch objects are unpickled) or,
+                                      defined here for CPU engines, of
                                       `torch.save(list[(hf_checkpoint_name, tensor)])` (one
                                       entry per TP rank in SGLang; the embedded engine reads
                                       the first); load_format null or "torch_save".
@@ -48,7 +50,7 @@ from .protocol import (
     requests_from_sglang,
     result_to_sglang,
 )
-from .weights import decode_torch_payload
+from .weights import decode_payload
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +187,9 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
             fmt = body.get("load_format")
             if fmt not in (None, "torch_save"):
                 return _reply(False, f"load_format {fmt!r} is not supported by the embedded engine "
-                                     "(expects base64 of torch.save(list[(name, tensor)]))")
-            named = await asyncio.to_thread(decode_torch_payload, entries[0])
+                                     "(expects SGLang's CUDA-IPC payload or base64 of "
+                                     "torch.save(list[(name, tensor)]))")
+            named = await asyncio.to_thread(decode_payload, entries[0])
             await engine.update_weights_from_tensor(named, flush_cache=bool(body.get("flush_cache", True)),
                                                     weight_version=body.get("weight_version"))
         except Exception as e:  # noqa: BLE001

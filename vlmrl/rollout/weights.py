@@ -42,6 +42,21 @@ def decode_torch_payload(entry: str | bytes) -> list[tuple[str, Any]]:
     return [(str(n), t) for n, t in obj]
 
 
+def decode_payload(entry: str | bytes) -> list[tuple[str, Any]]:
+    """One entry of `serialized_named_tensors`, either format: torch.save's zip container
+    (host tensors) or SGLang's default, the pickled CUDA-IPC handles of `serialize_ipc`
+    (tensors on this process's GPU, read in place)."""
+    import torch
+
+    data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
+    if data[:2] == b"PK":  # torch.save's zip archive
+        return decode_torch_payload(data)
+    if not torch.cuda.is_available():
+        raise ValueError("a CUDA-IPC weight payload (SGLang's default format) needs the engine on a GPU; "
+                         "an engine on the CPU reads torch.save payloads")
+    return [(str(n), t) for n, t in load_ipc(data)]
+
+
 def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str) -> str:
     """One entry of `serialized_named_tensors` in `tensor_format`: "ipc" (base64 of CUDA IPC
     handles to this process's GPU tensors) or "torch_save" (base64 of host copies)."""
@@ -108,6 +123,10 @@ def load_ipc(data: bytes) -> list[tuple[str, Any]]:
         def find_class(self, module: str, name: str) -> Any:
             if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
                 return rebuild
+            # a weight payload names torch's rebuild functions, storage classes and dtypes,
+            # nothing else: any other global is refused, never called
+            if module != "torch" and not module.startswith("torch."):
+                raise pickle.UnpicklingError(f"a weight payload may only refer to torch objects, not {module}.{name}")
             return super().find_class(module, name)
 
     return _Unpickler(io.BytesIO(data)).load()

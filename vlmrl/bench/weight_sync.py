@@ -1,0 +1,240 @@
+"""Weight sync, colocated: trainer to an engine process on the same device, through the loop's code.
+
+The trainer is the loop's `TrainerWorker` (one Megatron rank, the GPU hardware config: fused
+kernels, fla Gated DeltaNet); the engine is the embedded engine in its own process, served
+over SGLang's HTTP protocol (`rollout.embedded.serve_http=true`, the protocol an SGLang server
+speaks). A sync is `TrainerWorker.sync_weights`: HF-named buckets from the Megatron model,
+each sent as CUDA-IPC handles (host bytes on CPU) to /update_weights_from_tensor, the engine
+copying them into its parameters, the last bucket carrying the weight version.
+
+    python -m vlmrl.bench.weight_sync --model dense --device cuda --out $OUT
+    python -m vlmrl.bench.weight_sync --model qwen35_moe --device cuda --out $OUT
+    python -m vlmrl.bench.weight_sync --model tiny            (CPU: the script's own check)
+
+Models (random weights, written as an HF checkpoint so both sides load it as the loop does):
+- dense: Qwen2.5-VL with the 1.5B language model (hidden 1536, 28 layers, 12 heads / 2 KV
+  groups, FFN 8960, vocab 151936, tied) and Qwen2.5-VL-3B's vision tower;
+- qwen35_moe: Qwen3.5-35B-A3B's layer shapes with 8 layers (6 Gated DeltaNet + 2 gated
+  attention) and 64 experts, and its vision tower;
+- tiny, tiny_qwen3_5_moe: the tiny checkpoints (CPU).
+
+Before the timed syncs the trainer's weights are perturbed (Gaussian noise), so the first sync
+changes every tensor; after the syncs the engine samples a completion and the trainer scores
+the same tokens: their logprobs must agree (bf16: see LOGPROB_TOL), and the engine's must
+differ from what they were before the sync. Effective GB/s = bytes of the synced tensors
+(in the trainer's dtype) / wall seconds of one `sync_weights` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# |engine - trainer| per token after a sync. fp32: the loop's own bound. bf16: the engine
+# (HF transformers, SDPA) and the trainer (Megatron, fused kernels) round differently; a
+# logprob is a difference of two O(10) numbers carried in bf16 logits (relative step 2^-8),
+# so a few 0.05s are noise, while a missed tensor moves logprobs by O(1).
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 0.25}
+
+DENSE = ["model=qwen2_5_vl_3b", "model.lm.hidden_size=1536", "model.lm.num_layers=28",
+         "model.lm.num_attention_heads=12", "model.lm.num_query_groups=2", "model.lm.ffn_hidden_size=8960",
+         "model.vision.out_hidden_size=1536"]
+MOE = ["model=qwen3_5_35b_a3b", "model.lm.num_layers=8", "model.lm.num_experts=64",
+       "model.lm.layer_types=[linear_attention,linear_attention,linear_attention,full_attention,"
+       "linear_attention,linear_attention,linear_attention,full_attention]"]
+MODELS = {"dense": ("tiny", DENSE), "qwen35_moe": ("tiny_qwen3_5_moe", MOE), "tiny": ("tiny", None),
+          "tiny_qwen3_5_moe": ("tiny_qwen3_5_moe", None)}
+
+
+def write_checkpoint(model: str, out: Path, dtype: str) -> tuple[Path, list[str]]:
+    """(checkpoint dir, config overrides): the tiny checkpoint for tiny models; else a random
+    model of the shape, saved next to the tiny checkpoint's tokenizer and processor."""
+    import torch
+
+    from ..config import load
+    from ..models.bridge import hf_model_class
+    from ..models.tiny import SPECIAL_TOKENS, ensure_tiny_checkpoint, hf_config
+
+    tiny_group, overrides = MODELS[model]
+    tiny = load([f"model={tiny_group}"])
+    tiny_path = ensure_tiny_checkpoint(tiny.model, min_pixels=tiny.data.min_pixels, max_pixels=tiny.data.max_pixels)
+    if overrides is None:
+        return Path(tiny_path), [f"model={tiny_group}"]
+    ids = [f"model.image_token_id={SPECIAL_TOKENS.index('<|image_pad|>')}",
+           f"model.vision_start_token_id={SPECIAL_TOKENS.index('<|vision_start|>')}",
+           f"model.vision_end_token_id={SPECIAL_TOKENS.index('<|vision_end|>')}"]
+    overrides = [*overrides, *ids, f"model.dtype={dtype}"]
+    cfg = load(overrides, check_rules=False)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(tiny_path).iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(0)
+    config = hf_config(cfg.model)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        net = hf_model_class(cfg.model)._from_config(config, dtype=getattr(torch, dtype))
+    for p in net.parameters():  # a small init: random logits stay finite in bf16
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    net.generation_config.eos_token_id = [SPECIAL_TOKENS.index("<|im_end|>")]
+    net.save_pretrained(out, safe_serialization=True)
+    del net
+    return out, overrides
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The engine process: the embedded engine behind SGLang's HTTP protocol."""
+    from ..rollout.embedded import EmbeddedEngine
+    from ..rollout.server import ThreadedServer
+
+    engine = EmbeddedEngine(args.ckpt, device=args.device, dtype=args.dtype, max_batch_size=8)
+    server = ThreadedServer(engine)
+    Path(args.url_file).write_text(server.url)
+    while True:
+        time.sleep(3600)
+
+
+def _engine(ckpt: Path, device: str, dtype: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+    url_file = tmp / "url"
+    proc = subprocess.Popen([sys.executable, "-m", "vlmrl.bench.weight_sync", "serve", "--ckpt", str(ckpt),
+                             "--device", device, "--dtype", dtype, "--url-file", str(url_file)])
+    deadline = time.time() + 600
+    while not url_file.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the engine process did not start (exit {proc.poll()})")
+        time.sleep(0.5)
+    return proc, url_file.read_text()
+
+
+def _sample(url: str, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float], str | None]:
+    import asyncio
+
+    from ..rollout.client import HTTPEngine
+    from ..rollout.protocol import GenerateRequest, SamplingParams
+
+    async def go() -> Any:
+        eng = HTTPEngine(url, name="bench")
+        try:
+            req = GenerateRequest(input_ids=tuple(prompt), sampling=SamplingParams(
+                temperature=1.0, max_new_tokens=new_tokens, seed=7, ignore_eos=True))
+            return (await eng.generate([req]))[0]
+        finally:
+            await eng.close()
+
+    r = asyncio.run(go())
+    return list(r.output_ids), list(r.logprobs), r.weight_version
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_argument("mode", nargs="?", default="bench", choices=("bench", "serve"))
+    del sub
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--gdn-backend", default=None, choices=("torch", "fla"),
+                    help="the trainer's hardware.gdn_backend (default: the hardware config's); the sync "
+                         "does not depend on it")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more config overrides for the trainer (e.g. hardware.fused_kernels=false)")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--url-file")
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.mode == "serve":
+        return serve(args)
+
+    import torch
+
+    from ..cluster.trainer_group import TrainerWorker, _free_port
+    from ..config import load
+    from ..training.batch import TrainSample
+
+    tmp = Path(tempfile.mkdtemp(prefix="vlmrl-sync-"))
+    proc = None
+    try:
+        t0 = time.perf_counter()
+        ckpt, overrides = write_checkpoint(args.model, tmp / "ckpt", args.dtype)
+        print(f"checkpoint {ckpt} in {time.perf_counter() - t0:.1f} s", flush=True)
+        proc, url = _engine(ckpt, args.device, args.dtype, tmp)
+        hardware = "hardware=h200" if args.device == "cuda" else "hardware=cpu"
+        cfg = load([*overrides, hardware, f"hardware.train_dtype={args.dtype}", "cluster.colocate=true",
+                    "rollout.embedded.serve_http=true", "algo.kl_coef=0", "hardware.vision_attn_implementation=sdpa",
+                    *([f"hardware.gdn_backend={args.gdn_backend}"] if args.gdn_backend else []), *args.set],
+                   check_rules=False)
+        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
+        worker.init(str(ckpt), total_steps=1)
+        trainer = worker.trainer
+
+        prompt = [(7 * i + 3) % 200 + 10 for i in range(24)]
+        before_ids, before_lp, _ = _sample(url, prompt, 16)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # a new policy: every tensor the sync must carry changes
+            for p in (q for c in trainer.chunks for q in c.parameters()):
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
+                p.add_((noise * 0.01 * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
+
+        bucket = args.bucket_mb << 20
+        times, sent = [], 0
+        for i in range(args.repeats + 1):  # the first sync opens the connection: not timed
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sent = worker.sync_weights([url], bucket, weight_version=f"v{i}")
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+        ids, lp_engine, version = _sample(url, prompt, 16)
+        worker._drop_engine_links()
+        sample = TrainSample(input_ids=prompt + ids, loss_mask=[0.0] * len(prompt) + [1.0] * len(ids))
+        lp_trainer = trainer.logprobs([sample])[0].float()
+        engine_t = torch.tensor(lp_engine, dtype=torch.float32)
+        diff = float((lp_trainer - engine_t).abs().max())
+        # the same tokens scored before the sync: the sync moved the engine's logprobs
+        moved = None
+        if ids == before_ids:
+            moved = float((torch.tensor(before_lp) - engine_t).abs().max())
+        med = statistics.median(times)
+        row = {"model": args.model, "device": args.device, "dtype": args.dtype,
+               "params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
+               "bytes": sent, "bucket_mb": args.bucket_mb, "sync_s": times, "median_s": med,
+               "gb_per_s": sent / med / 1e9, "weight_version": version,
+               "logprob_max_abs_diff": diff, "logprob_tol": LOGPROB_TOL[args.dtype],
+               "engine_moved_by_sync": moved}
+        ok = version == f"v{args.repeats}" and diff <= LOGPROB_TOL[args.dtype] and (moved is None or moved > diff)
+        row["verified"] = ok
+        result = {"command": "python -m vlmrl.bench.weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                  "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                  "torch": torch.__version__, "row": row}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"weight_sync_{args.model}.json").write_text(json.dumps(result, indent=2))
+        print(f"{args.model}: {sent / 1e9:.2f} GB in {med:.3f} s = {sent / med / 1e9:.1f} GB/s "
+              f"(syncs {', '.join(f'{t:.3f}' for t in times)} s); logprobs after sync: max |diff| {diff:.2e} "
+              f"(tol {LOGPROB_TOL[args.dtype]}), moved by the sync: {moved}; version {version}; verified {ok}",
+              flush=True)
+        return 0 if ok else 1
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
