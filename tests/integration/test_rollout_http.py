@@ -522,3 +522,17 @@ def test_server_under_load_and_bad_input(engine):
             gc.collect()
             rss.append(_rss_mib())
         assert rss[1] - rss[0] < 64, rss  # the second round leaves memory where the first did
+
+
+def test_weight_sync_bench_verifies_the_sync(tmp_path):
+    """`python -m vlmrl.bench weight-sync` on the CPU: the loop's TrainerWorker syncs a perturbed
+    policy to an engine process over SGLang's protocol, and the engine's logprobs of its own
+    completion then equal the trainer's; the bench exits 1 when they do not."""
+    import json
+
+    from vlmrl.bench import weight_sync
+
+    assert weight_sync.main(["--model", "tiny", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "weight_sync_tiny.json").read_text())["row"]
+    assert row["verified"] and row["weight_version"] == "v1"
+    assert row["logprob_max_abs_diff"] <= 1e-4 and row["bytes"] > 0

@@ -1,7 +1,8 @@
-"""`python -m vlmrl.bench [cli|rollout|train-gpu] [args]` (what `make bench` runs).
+"""`python -m vlmrl.bench [cli|rollout|train-gpu|weight-sync] [args]` (what `make bench` runs).
 
 Without a name it runs the CPU benchmarks (dry-run latency, embedded-engine rollout
-throughput with the tiny model) and, where CUDA is available, the GPU training benchmark.
+throughput with the tiny model) and, where CUDA is available, the GPU training benchmark
+and the colocated weight sync of the dense model.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from . import cli, rollout, train_gpu
+    from . import cli, rollout, train_gpu, weight_sync
 
-    benches = {"cli": cli.main, "rollout": rollout.main, "train-gpu": train_gpu.main}
+    benches = {"cli": cli.main, "rollout": rollout.main, "train-gpu": train_gpu.main,
+               "weight-sync": weight_sync.main}
     if argv and argv[0] in benches:
         return benches[argv[0]](argv[1:])
     if argv:
@@ -24,6 +26,7 @@ def main(argv: list[str]) -> int:
     rc |= rollout.main(["--batch-size", "64", "--max-new-tokens", "64", "--device", "cpu", "--repeats", "3"])
     if torch.cuda.is_available():
         rc |= train_gpu.main(["--seq", "4096"])
+        rc |= weight_sync.main(["--model", "dense", "--device", "cuda"])
     return rc
 
 
