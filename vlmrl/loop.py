@@ -487,6 +487,8 @@ class Loop:
             "rollout/invalid_samples": skipped["vision_token"],
             "rollout/prompt_mismatch_samples": skipped["prompt_mismatch"],
             "rollout/reward_timeouts": self.pool.stats.timeouts,
+            "rollout/reward_retries": self.pool.stats.retries,
+            "rollout/reward_errors": self.pool.stats.errors,
             "data/skipped_rows": self.train_data.skips.total,
         })
         return metrics

@@ -328,15 +328,39 @@ def test_pool_workers_match_direct_calls_and_replace_stuck_worker() -> None:
     with RewardPool(ScriptedScorer(), num_workers=2, timeout_s=1.0) as pool:
         start = time.perf_counter()
         assert pool.score(responses, labels) == expected
-        assert time.perf_counter() - start < 20  # the hung call cost its timeout, not 60 s
-        assert (pool.stats.timeouts, pool.stats.errors, pool.stats.restarts) == (1, 1, 1)
+        assert time.perf_counter() - start < 20  # the hung call cost two timeouts, not 60 s
+        # the stuck pair was tried on a second worker, which stuck too: 0.0
+        assert (pool.stats.timeouts, pool.stats.errors, pool.stats.restarts, pool.stats.retries) == (2, 1, 2, 1)
         # The replacement worker is serving: the next batch is complete and correct.
         assert asyncio.run(pool.ascore(POOL_RESPONSES, POOL_LABELS)) == expected[: len(CASES)]
         assert pool.stats.calls == len(responses) + len(CASES)
-    assert pool.stats.timeouts == 1
+    assert pool.stats.timeouts == 2
     with pytest.raises(RuntimeError, match="closed"):
         pool.score(["\\boxed{1}"], ["1"])
     pool.close()  # idempotent
+
+
+class DiesOnce:
+    """Test scorer: the worker process dies (no reply, no cleanup) the first time it sees
+    "die" (a marker file makes it once), then scores normally."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, response: str, answer: str) -> float:
+        import os
+
+        if response.startswith("die") and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(9)
+        return MATH(response.removeprefix("die"), answer)
+
+
+def test_pool_scores_again_a_pair_whose_worker_died(tmp_path) -> None:
+    responses = ["\\boxed{3}", "die\\boxed{4}", "\\boxed{5}"]
+    with RewardPool(DiesOnce(str(tmp_path / "died")), num_workers=2, timeout_s=5.0) as pool:
+        assert pool.score(responses, ["3", "4", "6"]) == [1.0, 1.0, 0.0]
+        assert (pool.stats.retries, pool.stats.restarts, pool.stats.errors, pool.stats.timeouts) == (1, 1, 0, 0)
 
 
 def test_pool_defaults_come_from_the_verifier() -> None:

@@ -16,7 +16,9 @@ rollout
   rollout/prompt_mismatch_samples
                                 samples left out because the engine tokenised the prompt
                                 differently (image pixel bounds, chat template)
-  rollout/reward_timeouts       verifier calls that hit reward.timeout_s (scored 0)
+  rollout/reward_timeouts       verifier calls that hit reward.timeout_s (worker replaced)
+  rollout/reward_retries        samples scored again after their reward worker overran or died
+  rollout/reward_errors         verifier calls that raised, or failed twice (scored 0)
   data/skipped_rows             dataset rows skipped so far (data.skips, by reason in the log)
   rollout/response_len/mean     mean response length in tokens
   rollout/truncated_ratio       fraction of responses cut at the max new tokens

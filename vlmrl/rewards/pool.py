@@ -3,9 +3,10 @@
 The verifiers are bounded by construction, but a reward is computed for every sample
 of every step, and one pathological call must never stall a step. :class:`RewardPool`
 runs a scorer in worker processes, one call at a time per worker, and gives each call
-``timeout_s`` seconds: a call that overruns scores 0.0, is counted in
-:attr:`RewardPool.stats`, and its worker is killed and replaced. A call that raises
-scores 0.0 and is counted as an error.
+``timeout_s`` seconds. A call whose worker overruns (killed) or dies is counted in
+:attr:`RewardPool.stats`, the worker is replaced, and the pair is scored once more on
+another worker (a crash or a stall of the process need not be the input's fault); if that
+fails too the pair scores 0.0. A call that raises scores 0.0 and is counted as an error.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ class PoolStats:
     """Running totals since the pool started."""
 
     calls: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    restarts: int = 0
+    timeouts: int = 0  # calls that overran timeout_s (each attempt)
+    errors: int = 0  # calls that raised, or whose worker died on the last attempt
+    restarts: int = 0  # workers replaced
+    retries: int = 0  # pairs scored again after their worker overran or died
 
 
 class RewardPool:
@@ -141,6 +143,17 @@ class RewardPool:
         """
         pending = deque(range(len(responses)))
         running: dict[_Worker, tuple[int, float]] = {}  # worker -> (pair index, deadline)
+        retried: set[int] = set()
+
+        def again(index: int) -> bool:
+            """Queue the pair once more (first failure of its worker); False: it scores 0."""
+            if index in retried:
+                return False
+            retried.add(index)
+            self.stats.retries += 1
+            pending.appendleft(index)
+            return True
+
         while True:
             for worker in self._workers:
                 if pending and worker.ready and worker not in running:
@@ -170,8 +183,9 @@ class RewardPool:
                     continue
                 index, _ = running.pop(worker)
                 if message is None:
-                    self.stats.errors += 1
                     self._replace(worker, f"died while scoring (exit code {worker.exitcode()})")
+                    if not again(index):
+                        self.stats.errors += 1
                 elif message[0]:
                     scores[index] = message[1]
                 else:
@@ -183,9 +197,11 @@ class RewardPool:
                     raise RuntimeError(f"reward worker not ready after {self._startup_timeout_s} s")
             for worker, (_, deadline) in list(running.items()):
                 if now >= deadline:
-                    del running[worker]
+                    index, _ = running.pop(worker)
                     self.stats.timeouts += 1
-                    self._replace(worker, f"exceeded the {self.timeout_s} s limit; scoring 0.0")
+                    retry = again(index)
+                    self._replace(worker, f"exceeded the {self.timeout_s} s limit; "
+                                          + ("scoring the pair again" if retry else "scoring 0.0"))
 
     def _replace(self, worker: _Worker, reason: str) -> None:
         logger.warning("reward worker %s %s; replacing it", worker.pid, reason)
