@@ -281,7 +281,7 @@ class Loop:
             except Exception:  # noqa: BLE001 (already gone)
                 pass
             self._embedded[i] = self._new_embedded_actor(i)
-            target, engine = self._embedded_endpoint(i)
+            target, _ = self._embedded_endpoint(i)  # the existing client is pointed at it
             if http:
                 self.engines[i].rebase(target)
             else:

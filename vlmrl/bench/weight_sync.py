@@ -137,8 +137,8 @@ def _sample(url: str, prompt: list[int], new_tokens: int) -> tuple[list[int], li
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_argument("mode", nargs="?", default="bench", choices=("bench", "serve"))
-    del sub
+    ap.add_argument("mode", nargs="?", default="bench", choices=("bench", "serve"),
+                    help="serve: the engine process the bench starts")
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu")

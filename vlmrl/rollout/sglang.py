@@ -333,6 +333,13 @@ async def launch_sglang_engines(
 
 
 # =========================================================================== CLI
+def _generated_by(cmd: str, source: str, out: str, version: str) -> str:
+    """The command line a generated file records (paths relative to the project)."""
+    shown = [f"python -m vlmrl.rollout.sglang {cmd}", "--source", Path(source).name, "--out",
+             os.path.relpath(out, Path(__file__).resolve().parents[2])]
+    return " ".join(shown) + f"   (wheel from: pip download --no-deps sglang=={version} -d DIR)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlmrl.rollout.sglang")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -349,18 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "contract":
         contract = scan_contract(args.source)
-        shown = ["python -m vlmrl.rollout.sglang contract", "--source", Path(args.source).name, "--out",
-                 os.path.relpath(args.out, Path(__file__).resolve().parents[2])]
-        cmd = " ".join(shown) + f"   (wheel from: pip download --no-deps sglang=={contract['sglang_version']} -d DIR)"
+        cmd = _generated_by("contract", args.source, args.out, contract["sglang_version"])
         Path(args.out).write_text(format_contract(contract, cmd))
         print(f"wrote {args.out}: {len(contract['endpoints'])} endpoints of sglang {contract['sglang_version']}")
         return 0
     if args.cmd == "flags":
         flags = scan_sglang_source(args.source)
-        shown = ["python -m vlmrl.rollout.sglang flags", "--source", Path(args.source).name, "--out",
-                 os.path.relpath(args.out, Path(__file__).resolve().parents[2])]
-        cmd = " ".join(shown) + f"   (wheel from: pip download --no-deps sglang=={flags.version} -d DIR)"
-        Path(args.out).write_text(format_flags(flags, cmd))
+        Path(args.out).write_text(format_flags(flags, _generated_by("flags", args.source, args.out, flags.version)))
         print(f"wrote {args.out}: {len(flags.fields)} fields of sglang {flags.version}")
         return 0
     from ..config import compute_layout, load
