@@ -198,8 +198,12 @@ def sync_points(step: Any, name: str) -> list[str]:
 def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
     """Wall seconds per step, and host seconds (until the step has queued its last kernel:
     close to the wall time means the step is bound by Python / kernel launches)."""
-    for _ in range(warmup):
+    for i in range(warmup):  # the first steps compile (Inductor, Triton, TileLang): shown, not timed
+        t0 = time.perf_counter()
         step()
+        if CUDA:
+            torch.cuda.synchronize()
+        print(f"  warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s", flush=True)
     times, host = [], []
     for _ in range(iters):
         if CUDA:
@@ -327,7 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
     ap.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step per variant")
+    ap.add_argument("--stacks-every", type=float, default=0,
+                    help="print every thread's Python stack every N seconds (where a slow warm-up spends its time)")
     args = ap.parse_args(argv)
+    if args.stacks_every:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
     global PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG
     PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG = args.profile, args.cprofile, args.sync_debug
 

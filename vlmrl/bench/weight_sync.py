@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, overrides = write_checkpoint(args.model, tmp / "ckpt", args.dtype)
         print(f"checkpoint {ckpt} in {time.perf_counter() - t0:.1f} s", flush=True)
         proc, url = _engine(ckpt, args.device, args.dtype, tmp)
-        hardware = "hardware=h200" if args.device == "cuda" else "hardware=cpu"
-        cfg = load([*overrides, hardware, f"hardware.train_dtype={args.dtype}", "cluster.colocate=true",
+        # one GPU shared by the trainer and the engine (the colocated layout)
+        hardware = (["hardware=h200", "cluster.num_gpus=1", "rollout.num_gpus=1"] if args.device == "cuda"
+                    else ["hardware=cpu"])
+        cfg = load([*overrides, *hardware, f"hardware.train_dtype={args.dtype}", "cluster.colocate=true",
                     "rollout.embedded.serve_http=true", "algo.kl_coef=0", "hardware.vision_attn_implementation=sdpa",
                     *([f"hardware.gdn_backend={args.gdn_backend}"] if args.gdn_backend else []), *args.set],
                    check_rules=False)

@@ -181,7 +181,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
         if model.lm.num_experts:
             from .moe import use_local_dispatch
 
-            use_local_dispatch(chunk)
+            use_local_dispatch(chunk, compiled=fused_kernels)
         chunks.append(chunk.to(compat.device()))
     return chunks
 

@@ -24,6 +24,16 @@ split sizes stay on the device too. Megatron's all-to-all dispatcher copies them
 in every MoE layer, forward and backward, which stalls the host until the GPU has caught up
 and leaves the step bound by kernel launches. With expert parallelism Megatron's dispatcher
 is kept.
+
+With `hardware.fused_kernels=true` such a layer (`LocalMoELayer`, Megatron's MoELayer with
+one more forward) runs router, dispatch, grouped experts, combine and the gated shared
+expert as ONE Inductor-compiled graph, `moe_forward`, forward and backward, instead of about
+forty eager kernels and their Python: on one GPU the MoE blocks are otherwise bound by the
+host's kernel launches. The graph takes the weights as arguments, so all MoE layers share it.
+It is used where its maths is Megatron's configuration exactly (`compiled_path_problem`
+names what rules it out: top-k softmax routing in float32 without auxiliary losses, expert
+bias, grouping or capacity; bf16 activations on Hopper or newer, or on the CPU in tests);
+everything else goes through Megatron's forward.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
+
+from .kernels import fused
 
 
 def _can_group(x: Tensor, w: Tensor) -> bool:
@@ -189,9 +201,107 @@ class LocalTokenDispatcher:
         return out.view(self.hidden_shape)
 
 
-def use_local_dispatch(model: torch.nn.Module) -> int:
+def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: Tensor,
+                shared_fc1: Tensor | None, shared_fc2: Tensor | None, shared_gate: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], tokens per expert [E]).
+
+    Megatron's maths for this configuration (see `compiled_path_problem`): router logits in
+    float32, the top-k logits' softmax as the weights, tokens stably sorted by expert (token
+    order within an expert), one grouped GEMM per projection, each output row scaled by its
+    weight and cast back, rows put back in token order and summed over the k choices, plus the
+    shared expert's SwiGLU scaled by the sigmoid of its gate. Shapes depend on N only: no host sync.
+    """
+    n, num_experts = x.shape[0], gate_up.shape[0]
+    logits = F.linear(x.float(), router_w.float())
+    top, experts = torch.topk(logits, topk, dim=1)
+    weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = x.index_select(0, order.div(topk, rounding_mode="floor"))
+    g, u = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+    y = (y * weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(x.dtype)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+    out = y.index_select(0, inverse).view(n, topk, -1).sum(1)
+    if shared_fc1 is not None:
+        sg, su = F.linear(x, shared_fc1).chunk(2, dim=-1)
+        shared = F.linear(F.silu(sg) * su, shared_fc2)
+        if shared_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(x, shared_gate))
+        out = out + shared
+    return out, counts
+
+
+class LocalMoELayer(MoELayer):
+    """Megatron's MoELayer; with `compiled` set (`use_local_dispatch(..., compiled=True)`) a
+    bf16 forward runs as the one compiled graph `moe_forward` (module docstring).
+
+    The router's routing counts still reach `vlmrl_routing_sink` when an observer set one on
+    the router (`vlmrl.training.observe`), as Megatron's path reports them by the router's
+    forward hook."""
+
+    compiled = False
+
+    def forward(self, hidden_states: Tensor, intermediate_tensors: Any = None,
+                padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if not (self.compiled and intermediate_tensors is None and padding_mask is None
+                and _groupable(hidden_states)):
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        shared = self.shared_experts
+        out, counts = fused(moe_forward)(
+            x, self.router.weight, self.router.topk, self.experts.gate_up_proj, self.experts.down_proj,
+            shared.linear_fc1.weight if shared is not None else None,
+            shared.linear_fc2.weight if shared is not None else None,
+            shared.gate_weight if shared is not None and shared.use_shared_expert_gate else None)
+        sink = getattr(self.router, "vlmrl_routing_sink", None)
+        if sink is not None:
+            sink(self.router, counts, x.shape[0])
+        return out.view(hidden_states.shape), None
+
+
+def _groupable(x: Tensor) -> bool:
+    """torch's grouped GEMM runs here: bf16 on Hopper or newer (or its CPU fallback)."""
+    if x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def compiled_path_problem(module: MoELayer) -> str | None:
+    """Why `moe_forward` would not compute what Megatron's forward computes for this layer
+    (None: it does)."""
+    c = module.config
+    r = module.router
+    checks = {
+        "experts are not all local (expert parallel)": module.num_local_experts != c.num_moe_experts,
+        "expert tensor parallel": (c.expert_tensor_parallel_size or 1) != 1,
+        "tensor parallel": c.tensor_model_parallel_size != 1 or c.sequence_parallel,
+        "experts are not HFExperts": not isinstance(module.experts, HFExperts),
+        "router score function is not softmax after top-k": (c.moe_router_score_function != "softmax"
+                                                             or c.moe_router_pre_softmax),
+        "router dtype is not fp32": c.moe_router_dtype != "fp32",
+        "auxiliary / z losses": (c.moe_router_load_balancing_type not in ("none", None)
+                                 or bool(c.moe_z_loss_coeff) or bool(c.moe_aux_loss_coeff)),
+        "router input jitter": bool(c.moe_input_jitter_eps),
+        "expert capacity": c.moe_expert_capacity_factor is not None or c.moe_pad_expert_input_to_capacity,
+        "top-k scaling / expert bias / group-limited routing": (
+            c.moe_router_topk_scaling_factor is not None or c.moe_router_enable_expert_bias
+            or c.moe_router_num_groups is not None),
+        "router bias": getattr(r, "bias", None) is not None,
+        "selective recompute": c.recompute_granularity == "selective",
+        "activation is not SwiGLU": not c.gated_linear_unit or c.activation_func is not F.silu or c.add_bias_linear,
+        "shared expert overlap": bool(module.shared_expert_overlap),
+    }
+    return next((why for why, bad in checks.items() if bad), None)
+
+
+def use_local_dispatch(model: torch.nn.Module, compiled: bool = False) -> int:
     """Give every MoE layer of `model` whose experts are all local the `LocalTokenDispatcher`
-    (see the module docstring); returns how many layers took it."""
+    and, with `compiled` (hardware.fused_kernels), the compiled block where `compiled_path_problem`
+    finds nothing (see the module docstring); returns how many layers took the dispatcher."""
     n = 0
     for module in model.modules():
         if not isinstance(module, MoELayer):
@@ -201,4 +311,6 @@ def use_local_dispatch(model: torch.nn.Module) -> int:
         if local and not module.shared_expert_overlap:
             module.token_dispatcher = LocalTokenDispatcher(module.num_local_experts, cfg)
             n += 1
+            if compiled and isinstance(module, LocalMoELayer) and compiled_path_problem(module) is None:
+                module.compiled = True
     return n

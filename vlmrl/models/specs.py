@@ -81,18 +81,18 @@ def mlp() -> Any:
 def moe(model: ModelConfig) -> Any:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .moe import HFExperts
+    from .moe import HFExperts, LocalMoELayer
 
     local = LocalSpecProvider()
     shared = None
     if model.lm.shared_expert_ffn_hidden_size:
         shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
             linear_fc1=local.column_parallel_linear(), linear_fc2=local.row_parallel_linear()))
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=ModuleSpec(module=HFExperts),
+    return ModuleSpec(module=LocalMoELayer, submodules=MoESubmodules(experts=ModuleSpec(module=HFExperts),
                                                                 shared_experts=shared))
 
 

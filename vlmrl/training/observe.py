@@ -38,11 +38,16 @@ class StepObserver:
         self._routed: dict[int, int] = defaultdict(int)  # layer -> token slots routed (tokens * top-k)
         self._events: dict[str, list[Any]] = defaultdict(list)
         self._handles = []
+        self._sinks: list[Any] = []
         kinds = {GatedDeltaNet: "gdn", SelfAttention: "attention", MoELayer: "moe"}
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     self._handles.append(module.register_forward_hook(self._routing_hook))
+                    # the compiled MoE block (vlmrl.models.moe.LocalMoELayer) routes without
+                    # calling the router module and reports its counts here instead
+                    module.vlmrl_routing_sink = self._record_routing
+                    self._sinks.append(module)
                 for cls, kind in kinds.items():
                     if isinstance(module, cls):
                         self._handles.append(module.register_forward_pre_hook(self._start(kind)))
@@ -57,11 +62,17 @@ class StepObserver:
         if not (module.training and torch.is_grad_enabled()):
             return
         routing_map = output[1]
-        layer = int(getattr(module, "layer_number", 0) or 0)
-        counts = routing_map.sum(0).to(torch.float64)
+        self._record_routing(module, routing_map.sum(0), int(routing_map.shape[0]))
+
+    def _record_routing(self, router: Any, counts: torch.Tensor, tokens: int) -> None:
+        """Tokens each expert of `router`'s layer received in one forward (device tensor [E])."""
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        layer = int(getattr(router, "layer_number", 0) or 0)
+        counts = counts.detach().to(torch.float64)
         prev = self._counts.get(layer)
         self._counts[layer] = counts if prev is None else prev + counts
-        self._routed[layer] += int(routing_map.shape[0]) * int(module.topk)
+        self._routed[layer] += tokens * int(router.topk)
 
     def _start(self, kind: str) -> Any:
         def hook(module: Any, args: Any) -> None:
@@ -135,6 +146,9 @@ class StepObserver:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for router in self._sinks:
+            del router.vlmrl_routing_sink
+        self._sinks.clear()
 
 
 def _mark() -> Any:

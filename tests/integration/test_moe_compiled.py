@@ -1,0 +1,48 @@
+"""The compiled MoE block (`hardware.fused_kernels`, `vlmrl.models.moe.moe_forward`) against
+Megatron's MoE forward on the same layer of the Qwen3.5-MoE miniature, in a gloo process.
+
+float32 (eager): the same maths up to summation order, so outputs and gradients (input,
+router, experts, shared expert and its gate) agree to 1e-5 of their scale. bf16 (compiled by
+Inductor, the CPU backend here; tests/gpu runs it on CUDA): its worst difference from the
+float32 reference may not exceed 1.5x Megatron's own bf16 difference plus 1e-2, i.e. it
+rounds like a bf16 forward, not like a different computation (a wrong routing or a missed
+weight is O(1)). The routing counts reported to the step observer equal the router's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _dist import compiled_moe_worker, run_in_processes
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_in_processes(compiled_moe_worker, 1, 48, timeout_s=600)[0]
+
+
+def test_compiled_moe_block_is_megatrons_maths(result):
+    assert result["eager_fp32_vs_megatron"] <= 1e-5
+
+
+def test_compiled_moe_block_rounds_like_bf16(result):
+    assert result["compiled_bf16_vs_megatron_fp32"] <= 1.5 * result["megatron_bf16_vs_megatron_fp32"] + 1e-2
+
+
+def test_compiled_moe_block_reports_the_routing(result):
+    assert result["counts_match"] == 1.0
+
+
+def test_configurations_the_block_does_not_compute_keep_megatrons_forward(result):
+    """An auxiliary loss, expert bias, pre-softmax routing or a capacity: `compiled_path_problem`
+    names it and the layer keeps Megatron's forward."""
+    problems = result["problems"]
+    assert problems.pop("none") is None
+    assert problems == {"moe_aux_loss_coeff": "auxiliary / z losses",
+                        "moe_router_enable_expert_bias": "top-k scaling / expert bias / group-limited routing",
+                        "moe_router_pre_softmax": "router score function is not softmax after top-k",
+                        "moe_expert_capacity_factor": "expert capacity"}
+
+
+def test_the_compiled_path_ran(result):
+    assert result["compiled_graphs"] >= 1  # Dynamo compiled the block (and the test's bf16 run was not eager)
+    assert 0 < result["compiled_vs_megatron_bf16_output"] < 0.5  # another rounding, the same values

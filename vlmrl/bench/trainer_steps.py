@@ -1,0 +1,122 @@
+"""Warm-up inside a run: the trainer's first RL steps against its steady state.
+
+The loop's trainer (`TrainerWorker` -> `MegatronTrainer`, one rank, the hardware config's
+fast paths: on a GPU `hardware=h200`, i.e. compiled layers, the compiled MoE block and fla's
+Gated DeltaNet) takes GRPO steps on batches shaped like rollouts: every step draws new
+prompt and response lengths, so the packed micro-batches change length and layout from
+step to step as they do in training. Step 1 pays torch.compile (a static shape), the first
+step with a new length pays one more compile (the shape-generic one), and fla / TileLang
+kernels compile on first use; after that a step costs what it costs.
+
+    python -m vlmrl.bench.trainer_steps --model qwen35_moe --steps 12 --out $OUT     (GPU)
+    python -m vlmrl.bench.trainer_steps --model tiny --device cpu --steps 4          (CPU: the script's own check)
+
+Reports per step: wall seconds, tokens, tokens/s and the number of graphs Dynamo has compiled
+so far; then warm-up seconds = sum over steps of (step time - steady step time per token x
+step tokens), the steady rate being the median tokens/s of the second half of the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def batch(rng: random.Random, n: int, vocab: tuple[int, int], prompt: tuple[int, int],
+          response: tuple[int, int]) -> list:
+    from ..training.batch import TrainSample
+
+    out = []
+    for _ in range(n):
+        p, r = rng.randint(*prompt), rng.randint(*response)
+        ids = [rng.randrange(*vocab) for _ in range(p + r)]
+        out.append(TrainSample(input_ids=ids, loss_mask=[0.0] * p + [1.0] * r, advantage=rng.uniform(-1, 1)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen35_moe", help="a model of vlmrl.bench.weight_sync (dense, qwen35_moe, tiny, ...)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--samples", type=int, default=16, help="samples per step")
+    ap.add_argument("--prompt", default="200,600", help="prompt length range (tokens)")
+    ap.add_argument("--response", default="64,1024", help="response length range (tokens)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = ap.parse_args(argv)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+
+    import torch
+    import torch._dynamo.utils
+
+    from ..cluster.trainer_group import TrainerWorker, _free_port
+    from ..config import load
+    from .weight_sync import write_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="vlmrl-steps-"))
+    try:
+        ckpt, overrides = write_checkpoint(args.model, tmp / "ckpt", dtype)
+        # one GPU shared by the trainer and the engine (the colocated layout)
+        hardware = (["hardware=h200", "cluster.num_gpus=1", "rollout.num_gpus=1"] if args.device == "cuda"
+                    else ["hardware=cpu"])
+        cfg = load([*overrides, *hardware, f"hardware.train_dtype={dtype}", "algo.kl_coef=0",
+                    "hardware.vision_attn_implementation=sdpa", *args.set], check_rules=False)
+        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
+        t0 = time.perf_counter()
+        worker.init(str(ckpt), total_steps=args.steps)
+        init_s = time.perf_counter() - t0
+        trainer = worker.trainer
+        rng = random.Random(0)
+        lo_p, hi_p = (int(v) for v in args.prompt.split(","))
+        lo_r, hi_r = (int(v) for v in args.response.split(","))
+        m = cfg.model  # text tokens only: ids above the vision special tokens
+        vocab = (max(m.image_token_id, m.vision_start_token_id, m.vision_end_token_id) + 1, m.lm.vocab_size)
+        rows = []
+        for step in range(1, args.steps + 1):
+            samples = batch(rng, args.samples, vocab, (lo_p, hi_p), (lo_r, hi_r))
+            tokens = sum(s.num_tokens for s in samples)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            metrics = trainer.train_step(samples)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            sec = time.perf_counter() - t
+            rows.append({"step": step, "seconds": sec, "tokens": tokens, "tokens_per_s": tokens / sec,
+                         "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+                         "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")})
+            print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
+                  f"graphs {rows[-1]['graphs_compiled']}", flush=True)
+        steady = statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 2:])
+        warmup = sum(max(r["seconds"] - r["tokens"] / steady, 0.0) for r in rows)
+        result = {
+            "command": "python -m vlmrl.bench.trainer_steps " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+            "torch": torch.__version__, "model": args.model, "init_s": init_s, "steps": rows,
+            "steady_tokens_per_s": steady, "warmup_s": warmup,
+            "first_step_s": rows[0]["seconds"], "steady_step_s": statistics.median(r["seconds"] for r in rows[len(rows) // 2:]),
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"trainer_steps_{args.model}.json").write_text(json.dumps(result, indent=2))
+        print(f"{args.model}: trainer init {init_s:.1f} s; step 1 {rows[0]['seconds']:.1f} s; steady "
+              f"{steady:.0f} tok/s ({result['steady_step_s']:.2f} s/step); warm-up cost {warmup:.1f} s over "
+              f"{args.steps} steps", flush=True)
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
