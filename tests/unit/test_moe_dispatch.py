@@ -54,3 +54,37 @@ def test_local_dispatch_equals_the_definition(tokens, experts_n, k):
     ref_grads = torch.autograd.grad(ref.square().sum(), (x, probs, gate_up, down))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_compiled_block_maths_equals_the_definition_and_scatters_nothing():
+    """`moe_forward` (the compiled block's function, run eagerly in float32 here) against the
+    per-token definition with the router's top-k softmax and the gated shared expert; its
+    backward gathers over the inverse permutation, so no index_add / index_put (atomics on
+    colliding rows) runs in it."""
+    from vlmrl.models.moe import moe_forward
+
+    torch.manual_seed(0)
+    n, h, e, k, ffn, shared_ffn = 37, 16, 6, 3, 8, 12
+
+    def w(*shape):  # O(1) activations: float32 (torch's grouped GEMM has no float64)
+        return (torch.randn(*shape) / shape[-1] ** 0.5).requires_grad_()
+
+    x = torch.randn(n, h, requires_grad=True)
+    router, gate_up, down = w(e, h), w(e, 2 * ffn, h), w(e, h, ffn)
+    fc1, fc2, gate = w(2 * shared_ffn, h), w(h, shared_ffn), w(1, h)
+    leaves = (x, router, gate_up, down, fc1, fc2, gate)
+
+    with torch.profiler.profile() as prof:
+        out, counts = moe_forward(x, router, k, gate_up, down, fc1, fc2, gate)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+    ops = {evt.key for evt in prof.key_averages()}
+    assert not {op for op in ops if "index_add" in op or "index_put" in op}, ops
+
+    top, chosen = (x @ router.T).topk(k, dim=1)
+    ref = _reference(x, chosen, top.softmax(-1), gate_up, down)
+    sg, su = F.linear(x, fc1).chunk(2, dim=-1)
+    ref = ref + F.linear(F.silu(sg) * su, fc2) * torch.sigmoid(F.linear(x, gate))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert counts.tolist() == torch.bincount(chosen.reshape(-1), minlength=e).tolist()
+    for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), leaves)):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)

@@ -201,6 +201,30 @@ class LocalTokenDispatcher:
         return out.view(self.hidden_shape)
 
 
+class _Gather(torch.autograd.Function):
+    """rows = x[index // repeat] for a permutation `index` of [N * repeat] and its inverse.
+
+    Its backward gathers instead of scattering: grad_x[t] = sum over j < repeat of
+    grad[inverse[t * repeat + j]]. torch's index_select backward is an index_add into zeros,
+    which with repeated rows (every token once per chosen expert) is bf16 atomics on colliding
+    addresses: 0.58 ms per MoE layer at 4096 tokens on an H200, a tenth of the MoE step.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor, repeat: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.repeat = repeat
+        return x.index_select(0, index.div(repeat, rounding_mode="floor") if repeat > 1 else index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse)
+        if ctx.repeat > 1:
+            g = g.view(-1, ctx.repeat, *grad.shape[1:]).sum(1)
+        return g, None, None, None
+
+
 def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: Tensor,
                 shared_fc1: Tensor | None, shared_fc2: Tensor | None, shared_gate: Tensor | None) -> tuple[Tensor, Tensor]:
     """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], tokens per expert [E]).
@@ -220,12 +244,12 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0).to(torch.int32)
-    rows = x.index_select(0, order.div(topk, rounding_mode="floor"))
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+    rows = _Gather.apply(x, order, inverse, topk)  # each token once per chosen expert, by expert
     g, u = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
-    y = (y * weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(x.dtype)
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
-    out = y.index_select(0, inverse).view(n, topk, -1).sum(1)
+    y = (y * _Gather.apply(weights.reshape(-1), order, inverse, 1).unsqueeze(-1)).to(x.dtype)
+    out = _Gather.apply(y, inverse, order, 1).view(n, topk, -1).sum(1)  # back in token order
     if shared_fc1 is not None:
         sg, su = F.linear(x, shared_fc1).chunk(2, dim=-1)
         shared = F.linear(F.silu(sg) * su, shared_fc2)
