@@ -105,22 +105,27 @@ def test_embedded_cuda_release_frees_the_weights(cuda_engine):
 
 _IPC_READER = """
 import sys, torch
-from vlmrl.rollout.weights import load_ipc
-named = load_ipc(open(sys.argv[1], "rb").read())
-print(";".join(f"{n}:{float(t.double().sum()):.6f}:{t.device}" for n, t in named))
+from vlmrl.rollout.weights import decode_payload, load_ipc
+data = open(sys.argv[1], "rb").read()
+named = decode_payload(data, flattened=True) if sys.argv[2] == "flat" else load_ipc(data)
+print(";".join(f"{n}:{float(t.double().sum()):.6f}:{t.device}" for n, t in sorted(named)))
 """
 
 
-def test_serialize_ipc_roundtrip_across_processes(tmp_path):
-    from vlmrl.rollout.weights import serialize_ipc
+@pytest.mark.parametrize("form", ["pairs", "flat"])
+def test_serialize_ipc_roundtrip_across_processes(tmp_path, form):
+    """(name, tensor) pairs, and the flattened bucket the loop sends (one IPC handle per
+    bucket, load_format 'flattened_bucket'), read by another process on the same GPU."""
+    from vlmrl.rollout.weights import flatten_bucket, serialize_ipc
 
     dev = torch.cuda.device_count() - 1  # the reader sees this GPU as cuda:0
     a = torch.arange(12, dtype=torch.float32, device=f"cuda:{dev}").view(3, 4)
     b = torch.ones(5, dtype=torch.bfloat16, device=f"cuda:{dev}") * 2
+    named = [("visual.x", b), ("model.layers.0.w", a)]
     path = tmp_path / "payload.bin"
-    path.write_bytes(serialize_ipc([("model.layers.0.w", a), ("visual.x", b)]))
+    path.write_bytes(serialize_ipc(flatten_bucket(named) if form == "flat" else named))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(dev)}
-    out = subprocess.run([sys.executable, "-c", _IPC_READER, str(path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _IPC_READER, str(path), form], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "model.layers.0.w:66.000000:cuda:0;visual.x:10.000000:cuda:0"

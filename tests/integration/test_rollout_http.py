@@ -536,3 +536,20 @@ def test_weight_sync_bench_verifies_the_sync(tmp_path):
     row = json.loads((tmp_path / "weight_sync_tiny.json").read_text())["row"]
     assert row["verified"] and row["weight_version"] == "v1"
     assert row["logprob_max_abs_diff"] <= 1e-4 and row["bytes"] > 0
+
+
+def test_flattened_bucket_load_format_is_checked_against_the_payload(engine, server):
+    """load_format 'flattened_bucket' (what vlmrl sends with CUDA-IPC payloads) with host bytes
+    is refused with the reason, and nothing is loaded: the engine's weights are unchanged."""
+    import torch
+
+    from vlmrl.rollout.weights import encode_torch_payload
+
+    name, before = next((n, p.detach().clone()) for n, p in engine.model.named_parameters())
+    client = HTTPEngine(server.url, tensor_format="ipc")
+    try:
+        with pytest.raises(EngineError, match="flattened_bucket' needs a CUDA-IPC payload"):
+            _run(client.update_weights_from_serialized([encode_torch_payload([(name, torch.zeros_like(before))])]))
+    finally:
+        _run(client.close())
+    assert torch.equal(dict(engine.model.named_parameters())[name].detach(), before)

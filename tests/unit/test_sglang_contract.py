@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import os
 import re
+import sys
 import textwrap
 from collections import defaultdict
 from pathlib import Path
@@ -539,3 +540,106 @@ def test_contract_command_writes_the_file_deterministically(tmp_path, capsys):
     assert c["generated_by"].startswith("python -m vlmrl.rollout.sglang contract --source pkg --out ")
     assert c["sglang_version"] == "9.9.9" and "/generate" in c["endpoints"]
     assert "7 endpoints of sglang 9.9.9" in capsys.readouterr().out
+
+
+def _bucket() -> list[tuple[str, Any]]:
+    import torch
+
+    return [("model.layers.0.mlp.down_proj.weight", torch.arange(15, dtype=torch.bfloat16).view(3, 5)),
+            ("model.layers.0.linear_attn.A_log", torch.linspace(-1, 1, 7, dtype=torch.float32)),
+            ("model.norm.weight", torch.ones(3, dtype=torch.bfloat16)),
+            ("model.layers.0.linear_attn.norm.weight", torch.full((2, 2), 0.5, dtype=torch.float32))]
+
+
+def test_flattened_bucket_roundtrip_is_aligned_views():
+    """The CUDA-IPC payload is one flat uint8 tensor per bucket (SGLang's flattened bucket):
+    every tensor comes back equal, as a view into it, its byte offset a multiple of its
+    element size (float32 tensors first), with SGLang's metadata fields."""
+    import torch
+
+    from vlmrl.rollout.weights import flatten_bucket, unflatten_bucket
+
+    flat = flatten_bucket(_bucket())
+    meta = flat["metadata"]
+    assert [m.dtype for m in meta] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert all(m.start_idx % m.dtype.itemsize == 0 and m.end_idx - m.start_idx == m.numel for m in meta)
+    assert flat["flattened_tensor"].dtype == torch.uint8 and flat["flattened_tensor"].numel() == meta[-1].end_idx
+    back = dict(unflatten_bucket(flat))
+    for name, t in _bucket():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+        assert back[name].untyped_storage().data_ptr() == flat["flattened_tensor"].untyped_storage().data_ptr()
+    assert set(vars(meta[0])) == {"name", "shape", "dtype", "start_idx", "end_idx", "numel"}
+
+
+@pytest.mark.skipif(not os.environ.get("VLMRL_SGLANG_WHEEL"), reason="set VLMRL_SGLANG_WHEEL=sglang-*.whl")
+def test_flattened_bucket_is_what_sglang_reconstructs():
+    """SGLang's own FlattenedTensorBucket (read from the wheel) rebuilds vlmrl's flattened
+    bucket from the metadata's attributes; its safe unpickler admits the metadata's class; its
+    weight updater takes load_format 'flattened_bucket' from /update_weights_from_tensor."""
+    import types
+    import zipfile
+
+    import torch
+
+    from vlmrl.rollout.weights import flatten_bucket
+
+    with zipfile.ZipFile(os.environ["VLMRL_SGLANG_WHEEL"]) as whl:
+        bucket_src = whl.read("sglang/srt/weight_sync/tensor_bucket.py").decode()
+        common = whl.read("sglang/srt/utils/common.py").decode()
+        updater = whl.read("sglang/srt/model_executor/model_runner_components/weight_updater.py").decode()
+    mod = types.ModuleType("sglang_tensor_bucket")
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up
+    try:
+        exec(compile(bucket_src, "tensor_bucket.py", "exec"), mod.__dict__)  # torch + dataclasses only
+    finally:
+        del sys.modules[mod.__name__]
+    ours = flatten_bucket(_bucket())
+    theirs = mod.FlattenedTensorBucket(flattened_tensor=ours["flattened_tensor"], metadata=[
+        mod.FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel) for m in ours["metadata"]])
+    rebuilt = dict(theirs.reconstruct_tensors())
+    for name, t in _bucket():
+        assert torch.equal(rebuilt[name], t)
+    assert '("types", "SimpleNamespace")' in common
+    assert 'load_format == "flattened_bucket"' in updater and "meta.name" in updater
+
+
+def test_flattened_payload_names_only_globals_sglang_unpickles(monkeypatch):
+    """The pickle of a flattened bucket (host tensors here, shared through files; on a GPU the
+    same structure with CUDA-IPC handles) refers to torch's rebuild functions, torch.Size,
+    dtypes and types.SimpleNamespace only: globals SGLang's SafeUnpickler admits (checked
+    against the wheel's allowlist when VLMRL_SGLANG_WHEEL is set) and that vlmrl's own
+    restricted unpickler reads back into the same tensors."""
+    import io
+    import pickle
+    import zipfile
+
+    import torch
+    import torch.multiprocessing as tmp
+
+    from vlmrl.rollout.weights import flatten_bucket, load_ipc, serialize_ipc, unflatten_bucket
+
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        data = serialize_ipc(flatten_bucket(_bucket()))
+        seen: set[tuple[str, str]] = set()
+
+        class Recorder(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> Any:
+                seen.add((module, name))
+                return super().find_class(module, name)
+
+        Recorder(io.BytesIO(data)).load()
+        # a shared host storage is opened once: a second payload for vlmrl's reader
+        back = dict(unflatten_bucket(load_ipc(serialize_ipc(flatten_bucket(_bucket())))))
+    finally:
+        tmp.set_sharing_strategy(old)
+    for name, t in _bucket():
+        assert torch.equal(back[name], t)
+    assert ("types", "SimpleNamespace") in seen
+    assert all(m == "torch" or m.startswith("torch.") or (m, n) == ("types", "SimpleNamespace") for m, n in seen), seen
+    if os.environ.get("VLMRL_SGLANG_WHEEL"):
+        with zipfile.ZipFile(os.environ["VLMRL_SGLANG_WHEEL"]) as whl:
+            common = whl.read("sglang/srt/utils/common.py").decode()
+        allowed = set(re.findall(r'\("([\w.]+)", "(\w+)"\)', common))
+        assert seen <= allowed | {("torch.storage", "_load_from_bytes")}, seen - allowed

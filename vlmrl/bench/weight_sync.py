@@ -4,8 +4,9 @@ The trainer is the loop's `TrainerWorker` (one Megatron rank, the GPU hardware c
 kernels, fla Gated DeltaNet); the engine is the embedded engine in its own process, served
 over SGLang's HTTP protocol (`rollout.embedded.serve_http=true`, the protocol an SGLang server
 speaks). A sync is `TrainerWorker.sync_weights`: HF-named buckets from the Megatron model,
-each sent as CUDA-IPC handles (host bytes on CPU) to /update_weights_from_tensor, the engine
-copying them into its parameters, the last bucket carrying the weight version.
+each flattened into one uint8 tensor and sent as one CUDA-IPC handle (SGLang's
+`flattened_bucket`; host bytes on CPU) to /update_weights_from_tensor, the engine copying the
+tensors into its parameters, the last bucket carrying the weight version.
 
     python -m vlmrl.bench.weight_sync --model dense --device cuda --out $OUT
     python -m vlmrl.bench.weight_sync --model qwen35_moe --device cuda --out $OUT

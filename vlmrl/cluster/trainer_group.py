@@ -85,8 +85,8 @@ class TrainerWorker:
         """SGLang's weight-sync protocol, to SGLang servers or to the embedded server over HTTP.
 
         Colocated: every trainer rank that shares a device with an engine rank serializes its
-        own copy of each bucket (CUDA IPC handles to its GPU; host bytes on CPU), rank 0
-        gathers them and posts each engine one payload per TP rank, from the trainer rank on
+        own copy of each bucket (one CUDA IPC handle to a flattened copy on its GPU; host bytes
+        on CPU), rank 0 gathers them and posts each engine one payload per TP rank, from the trainer rank on
         that rank's device (/update_weights_from_tensor); every rank keeps its bucket alive
         until the engines have read it. Separate devices: rank 0 and every engine rank form a
         broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
@@ -126,7 +126,8 @@ class TrainerWorker:
         for bucket, last in wt.with_last(self.trainer.iter_hf_weights(bucket_bytes)):
             version = weight_version if last else None
             if colocate:
-                mine = wt.serialize_payload(bucket, fmt) if self.rank in senders else None
+                alive: list[Any] = []  # this rank's flattened copy, until the barrier below
+                mine = wt.serialize_payload(bucket, fmt, keep=alive) if self.rank in senders else None
                 per_engine = wt.gather_rank_payloads(mine, sources)
                 if per_engine is not None:  # rank 0
                     async def post(per_engine: list[list[str]] = per_engine, last: bool = last,
@@ -137,6 +138,7 @@ class TrainerWorker:
 
                     self._loop.run_until_complete(post())
                 dist.barrier()  # the engines have read every rank's copy: the bucket may go
+                del alive
             elif self.rank == 0:
                 self._loop.run_until_complete(wt.update_weights_distributed(
                     self._http, self._group, bucket, bucket_bytes=None, weight_version=version, final=last))

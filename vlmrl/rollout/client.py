@@ -7,7 +7,8 @@ requests the server aborted). Client errors (HTTP 4xx) fail at once.
 
 Weight payloads depend on the server: `tensor_format="torch_save"` (the embedded server:
 base64 of torch.save'd (name, tensor) lists, tensors copied) or `"ipc"` (SGLang colocated
-on the same GPUs: CUDA IPC handles, see `vlmrl.rollout.weights.serialize_ipc`), with one
+on the same GPUs: each bucket flattened into one uint8 tensor and sent as one CUDA IPC handle
+with `load_format="flattened_bucket"`, see `vlmrl.rollout.weights.flatten_bucket`), with one
 entry per tensor-parallel rank of the engine, each serialized on the GPU that rank reads
 (`update_weights_from_serialized`).
 """
@@ -166,11 +167,12 @@ class HTTPEngine:
         return list(await asyncio.gather(*(self.generate_one(r) for r in requests)))
 
     # ----------------------------------------------------------------- weights
-    def serialize(self, bucket: list[tuple[str, Any]]) -> str:
-        """One entry of `serialized_named_tensors`: what one TP rank of the engine reads."""
+    def serialize(self, bucket: list[tuple[str, Any]], keep: list | None = None) -> str:
+        """One entry of `serialized_named_tensors`: what one TP rank of the engine reads
+        (`keep`: see `vlmrl.rollout.weights.serialize_payload`)."""
         from .weights import serialize_payload
 
-        return serialize_payload(bucket, self.tensor_format)
+        return serialize_payload(bucket, self.tensor_format, keep)
 
     async def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = await self._call("POST", path, body, timeout_s=self.admin_timeout_s, retries=0)
@@ -192,7 +194,8 @@ class HTTPEngine:
                              "rank's copy on its own GPU (vlmrl.cluster.trainer_group gathers them)")
         await self._checked("/update_weights_from_tensor", {
             "serialized_named_tensors": list(payloads),
-            "load_format": None,
+            # CUDA-IPC payloads are flattened buckets (vlmrl.rollout.weights.flatten_bucket)
+            "load_format": "flattened_bucket" if self.tensor_format == "ipc" else None,
             "flush_cache": bool(flush_cache),
             "weight_version": weight_version,
         })
@@ -209,9 +212,11 @@ class HTTPEngine:
         buckets = list(bucketize(named_tensors, bucket_bytes))
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            entry = await asyncio.to_thread(self.serialize, bucket)
+            alive: list[Any] = []  # the flattened copy stays until the engine has read it
+            entry = await asyncio.to_thread(self.serialize, bucket, alive)
             await self.update_weights_from_serialized([entry] * self.tp_size, flush_cache=flush_cache and last,
                                                       weight_version=weight_version if last else None)
+            del alive
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, *, group_name: str = "weight_update_group",

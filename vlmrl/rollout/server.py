@@ -185,11 +185,11 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
             if not entries:
                 return _reply(False, "serialized_named_tensors is required")
             fmt = body.get("load_format")
-            if fmt not in (None, "torch_save"):
+            if fmt not in (None, "torch_save", "flattened_bucket"):
                 return _reply(False, f"load_format {fmt!r} is not supported by the embedded engine "
-                                     "(expects SGLang's CUDA-IPC payload or base64 of "
-                                     "torch.save(list[(name, tensor)]))")
-            named = await asyncio.to_thread(decode_payload, entries[0])
+                                     "(expects SGLang's CUDA-IPC payload, flattened (load_format "
+                                     "'flattened_bucket') or not, or base64 of torch.save(list[(name, tensor)]))")
+            named = await asyncio.to_thread(decode_payload, entries[0], fmt == "flattened_bucket")
             await engine.update_weights_from_tensor(named, flush_cache=bool(body.get("flush_cache", True)),
                                                     weight_version=body.get("weight_version"))
         except Exception as e:  # noqa: BLE001

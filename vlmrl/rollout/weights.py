@@ -42,26 +42,72 @@ def decode_torch_payload(entry: str | bytes) -> list[tuple[str, Any]]:
     return [(str(n), t) for n, t in obj]
 
 
-def decode_payload(entry: str | bytes) -> list[tuple[str, Any]]:
+def decode_payload(entry: str | bytes, flattened: bool = False) -> list[tuple[str, Any]]:
     """One entry of `serialized_named_tensors`, either format: torch.save's zip container
-    (host tensors) or SGLang's default, the pickled CUDA-IPC handles of `serialize_ipc`
-    (tensors on this process's GPU, read in place)."""
+    (host tensors) or the pickled CUDA-IPC handles of `serialize_ipc` (tensors on this
+    process's GPU, read in place): (name, tensor) pairs, or with `flattened`
+    (`load_format="flattened_bucket"`, as SGLang reads it) a `flatten_bucket` dict."""
     import torch
 
     data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
     if data[:2] == b"PK":  # torch.save's zip archive
+        if flattened:
+            raise ValueError("load_format 'flattened_bucket' needs a CUDA-IPC payload, not torch.save bytes")
         return decode_torch_payload(data)
     if not torch.cuda.is_available():
         raise ValueError("a CUDA-IPC weight payload (SGLang's default format) needs the engine on a GPU; "
                          "an engine on the CPU reads torch.save payloads")
-    return [(str(n), t) for n, t in load_ipc(data)]
+    obj = load_ipc(data)
+    if flattened != isinstance(obj, dict):
+        raise ValueError("load_format 'flattened_bucket' and the payload disagree: "
+                         + ("a flattened bucket needs load_format 'flattened_bucket'" if isinstance(obj, dict)
+                            else "the payload is (name, tensor) pairs, not a flattened bucket"))
+    if flattened:
+        return unflatten_bucket(obj)
+    return [(str(n), t) for n, t in obj]
 
 
-def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str) -> str:
-    """One entry of `serialized_named_tensors` in `tensor_format`: "ipc" (base64 of CUDA IPC
-    handles to this process's GPU tensors) or "torch_save" (base64 of host copies)."""
+def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """SGLang's flattened bucket (`load_format="flattened_bucket"`): the bucket's bytes in one
+    uint8 tensor, largest element size first (every tensor's byte offset a multiple of its
+    element size), and per tensor its name, shape, dtype and byte range. One CUDA-IPC handle
+    per bucket instead of one per tensor: opening a handle costs the engine far more than
+    copying a tensor. The metadata are `types.SimpleNamespace`s: SGLang's safe unpickler
+    admits them and its loader reads only their attributes."""
+    import types
+
+    import torch
+
+    ordered = order_for_flattening(bucket)
+    parts, metadata, at = [], [], 0
+    for name, t in ordered:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        metadata.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=at,
+                                              end_idx=at + flat.numel(), numel=flat.numel()))
+        parts.append(flat)
+        at += flat.numel()
+    return {"flattened_tensor": torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8),
+            "metadata": metadata}
+
+
+def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Inverse of `flatten_bucket`: views into the flat tensor, no copies."""
+    flat = bucket["flattened_tensor"]
+    return [(str(m.name), flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in bucket["metadata"]]
+
+
+def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str, keep: list | None = None) -> str:
+    """One entry of `serialized_named_tensors` in `tensor_format`: "ipc" (base64 of the CUDA
+    IPC handle of this process's bucket, flattened: `flatten_bucket`, sent with
+    `load_format="flattened_bucket"`) or "torch_save" (base64 of host copies).
+
+    keep: receives the flattened copy, which must stay alive until the engines have read it
+    (torch also holds an IPC-shared block back from reuse until its readers let go)."""
     if tensor_format == "ipc":
-        return base64.b64encode(serialize_ipc(bucket)).decode()
+        flat = flatten_bucket(bucket)
+        if keep is not None:
+            keep.append(flat)
+        return base64.b64encode(serialize_ipc(flat)).decode()
     if tensor_format == "torch_save":
         return encode_torch_payload(list(bucket))
     raise ValueError(f"tensor_format must be 'ipc' or 'torch_save', not {tensor_format!r}")
@@ -73,8 +119,9 @@ def _device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def serialize_ipc(named_tensors: Sequence[tuple[str, Any]]) -> bytes:
-    """Pickle (name, tensor) pairs the way SGLang's /update_weights_from_tensor reads them:
+def serialize_ipc(named_tensors: Sequence[tuple[str, Any]] | dict[str, Any]) -> bytes:
+    """Pickle (name, tensor) pairs, or a `flatten_bucket` dict, the way SGLang's
+    /update_weights_from_tensor reads them:
     torch's multiprocessing reductions (CUDA tensors travel as IPC handles, not data), with
     the CUDA device index replaced by the device UUID, since the server process numbers
     its visible GPUs differently (SGLang's patched rebuild accepts a UUID there)."""
@@ -98,7 +145,10 @@ def serialize_ipc(named_tensors: Sequence[tuple[str, Any]]) -> bytes:
     pickler = ForkingPickler(buf)  # its dispatch table is a per-instance copy
     pickler.dispatch_table[torch.Tensor] = reduce_cuda
     pickler.dispatch_table[torch.nn.Parameter] = reduce_cuda
-    pickler.dump([(n, t.detach()) for n, t in named_tensors])
+    if isinstance(named_tensors, dict):
+        pickler.dump(named_tensors)
+    else:
+        pickler.dump([(n, t.detach()) for n, t in named_tensors])
     return buf.getvalue()
 
 
@@ -123,8 +173,10 @@ def load_ipc(data: bytes) -> list[tuple[str, Any]]:
         def find_class(self, module: str, name: str) -> Any:
             if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
                 return rebuild
-            # a weight payload names torch's rebuild functions, storage classes and dtypes,
-            # nothing else: any other global is refused, never called
+            if (module, name) == ("types", "SimpleNamespace"):  # a flattened bucket's metadata
+                return super().find_class(module, name)
+            # a weight payload names torch's rebuild functions, storage classes and dtypes
+            # (and SimpleNamespace), nothing else: any other global is refused, never called
             if module != "torch" and not module.startswith("torch."):
                 raise pickle.UnpicklingError(f"a weight payload may only refer to torch objects, not {module}.{name}")
             return super().find_class(module, name)
