@@ -279,8 +279,8 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         from ..models.gated_delta import check_fast_path
 
         lm = mcfg.lm
-        worst = check_fast_path(torch.device(DEVICE), dtype, hk=2, hv=2 * lm.linear_num_value_heads // lm.linear_num_key_heads,
-                                dk=lm.linear_key_head_dim, dv=lm.linear_value_head_dim)
+        worst = check_fast_path(torch.device(DEVICE), dtype, hk=lm.linear_num_key_heads, hv=lm.linear_num_value_heads,
+                                dk=lm.linear_key_head_dim, dv=lm.linear_value_head_dim)  # as the trainer checks
         print(f"fla Gated DeltaNet check vs torch: worst relative difference {worst:.2e}", flush=True)
     chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend="sdpa",
                          fused_kernels=fused, gdn_backend=gdn_backend)
