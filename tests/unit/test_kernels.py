@@ -77,3 +77,36 @@ def test_fused_log_softmax_matches_plain_and_the_sharded_path(temperature):
         ref = torch.log_softmax(logits / temperature, -1)
         assert torch.allclose(o1[0], ref.gather(-1, targets[:, None])[:, 0], atol=1e-6)
         assert torch.allclose(o1[1], -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_fused_gated_delta_elementwise_match_plain():
+    """The Gated DeltaNet layer's elementwise steps (hardware.fused_kernels compiles both): the
+    decay g and beta from a, b, A_log, dt_bias, and the gated RMSNorm (float32 norm weight, as
+    checkpoints store it, on bf16-shaped activations here kept in float32)."""
+    from vlmrl.models.gated_delta import decay_and_beta, gated_rms_norm
+
+    for tokens in (6, 19):
+        a, b = torch.randn(tokens, 4), torch.randn(tokens, 4)
+        a_log, dt_bias = torch.rand(4) * 2, torch.randn(4)
+        (o1, g1), (o2, g2) = (_grads(decay_and_beta, a, b, a_log, dt_bias),
+                              _grads(fused(decay_and_beta), a, b, a_log, dt_bias))
+        _assert_close(o1, o2)
+        _assert_close(g1, g2)
+        x, gate, w = torch.randn(tokens, 4, 16) * 2, torch.randn(tokens, 4, 16), torch.randn(16) * 0.2 + 1
+        fn = lambda x, gate, w: gated_rms_norm(x, gate, w, 1e-6)  # noqa: E731
+        fused_fn = lambda x, gate, w: fused(gated_rms_norm)(x, gate, w, 1e-6)  # noqa: E731
+        (o1, g1), (o2, g2) = _grads(fn, x, gate, w), _grads(fused_fn, x, gate, w)
+        _assert_close(o1, o2)
+        _assert_close(g1, g2)
+
+
+def test_fused_kernels_reach_the_gated_delta_layers():
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from vlmrl.config import load
+    from vlmrl.models.families import qwen3_5
+
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    for flag in (False, True):
+        mixer = qwen3_5.layer_spec(model, "linear_attention", fused_kernels=flag).submodules.self_attention
+        assert isinstance(mixer, ModuleSpec) and mixer.params["fused"] is flag

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from . import gated_delta as gd
 from .attention import VLPackedSeqParams
+from .kernels import pick
 
 
 class _Holder(torch.nn.Module):
@@ -64,12 +65,16 @@ def _tp(param: Tensor, dim: int) -> None:
 class GatedDeltaNet(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, *, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel: int, backend: str = "torch",
-                 pg_collection: Any = None, **_: Any) -> None:
+                 fused: bool = False, pg_collection: Any = None, **_: Any) -> None:
         super().__init__(config=config)
         if backend not in gd.BACKENDS:
             raise ValueError(f"Gated DeltaNet backend {backend!r} is not one of {gd.BACKENDS}")
         self.layer_number = layer_number
         self.backend = backend
+        # hardware.fused_kernels: the decay / beta and the gated norm as Inductor-compiled twins
+        # (one kernel each way instead of a dozen elementwise ones over [T, heads, d])
+        self._decay_and_beta = pick(gd.decay_and_beta, fused)
+        self._gated_rms_norm = pick(gd.gated_rms_norm, fused)
         tp = config.tensor_model_parallel_size
         if num_key_heads % tp or num_value_heads % tp or num_value_heads % num_key_heads:
             raise ValueError(f"Gated DeltaNet heads (key {num_key_heads}, value {num_value_heads}) must divide "
@@ -159,12 +164,12 @@ class GatedDeltaNet(MegatronModule):
         mixed = mixed.view(total, heads_k, self.group)
         q, k, v = mixed.split([self.dk, self.dk, self.ratio * self.dv], dim=-1)
         v = v.reshape(total, heads_v, self.dv)
-        g, beta = gd.decay_and_beta(a, b, a_log, dt_bias)
+        g, beta = self._decay_and_beta(a, b, a_log, dt_bias)
         if self.backend == "fla":
             o = gd.fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host)
         else:
             o = gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
-        o = gd.gated_rms_norm(o, z.view(total, heads_v, self.dv), self.norm.weight, self.eps)
+        o = self._gated_rms_norm(o, z.view(total, heads_v, self.dv), self.norm.weight, self.eps)
         o = o.reshape(total, heads_v * self.dv)
         if cp > 1:
             o = _heads_to_seq(o, cp, group, order)

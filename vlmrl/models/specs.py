@@ -56,7 +56,7 @@ def attention(model: ModelConfig, *, backend: str = "sdpa", fused: bool = False)
     )
 
 
-def gdn(model: ModelConfig, *, backend: str = "torch") -> Any:
+def gdn(model: ModelConfig, *, backend: str = "torch", fused: bool = False) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .gdn import GatedDeltaNet
@@ -65,7 +65,7 @@ def gdn(model: ModelConfig, *, backend: str = "torch") -> Any:
     return ModuleSpec(module=GatedDeltaNet, params={
         "num_key_heads": lm.linear_num_key_heads, "num_value_heads": lm.linear_num_value_heads,
         "key_head_dim": lm.linear_key_head_dim, "value_head_dim": lm.linear_value_head_dim,
-        "conv_kernel": lm.linear_conv_kernel_dim, "backend": backend})
+        "conv_kernel": lm.linear_conv_kernel_dim, "backend": backend, "fused": fused})
 
 
 def mlp() -> Any:

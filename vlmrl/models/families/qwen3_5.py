@@ -151,7 +151,7 @@ def layer_spec(model: ModelConfig, layer_type: str, *, attention_backend: str = 
     if layer_type == "full_attention":
         mixer = specs.attention(model, backend=attention_backend, fused=fused_kernels)
     elif layer_type == "linear_attention":
-        mixer = specs.gdn(model, backend=gdn_backend)
+        mixer = specs.gdn(model, backend=gdn_backend, fused=fused_kernels)
     else:
         raise ValueError(f"unknown layer type {layer_type!r} (full_attention | linear_attention)")
     mlp = specs.moe(model) if _is_moe(model) else specs.mlp()
