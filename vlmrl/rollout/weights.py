@@ -67,27 +67,41 @@ def decode_payload(entry: str | bytes, flattened: bool = False) -> list[tuple[st
     return [(str(n), t) for n, t in obj]
 
 
-def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """SGLang's flattened bucket (`load_format="flattened_bucket"`): the bucket's bytes in one
-    uint8 tensor, largest element size first (every tensor's byte offset a multiple of its
-    element size), and per tensor its name, shape, dtype and byte range. One CUDA-IPC handle
-    per bucket instead of one per tensor: opening a handle costs the engine far more than
-    copying a tensor. The metadata are `types.SimpleNamespace`s: SGLang's safe unpickler
-    admits them and its loader reads only their attributes."""
+def flat_layout(entries: Iterable[tuple[str, Any, Any]]) -> list[Any]:
+    """Byte ranges of (name, shape, dtype) entries laid end to end in one uint8 buffer, as
+    SGLang's flattened buckets describe them: `types.SimpleNamespace`s with name, shape, dtype,
+    start_idx, end_idx, numel (bytes). SGLang's safe unpickler admits SimpleNamespace and its
+    loader reads only these attributes."""
+    import math
     import types
 
     import torch
 
+    out, at = [], 0
+    for name, shape, dtype in entries:
+        size = math.prod(shape) * dtype.itemsize
+        out.append(types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=at,
+                                         end_idx=at + size, numel=size))
+        at += size
+    return out
+
+
+def _flat_bytes(tensors: Iterable[Any]) -> Any:
+    """The tensors' bytes end to end in one uint8 tensor (the layout of `flat_layout`)."""
+    import torch
+
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """SGLang's flattened bucket (`load_format="flattened_bucket"`): the bucket's bytes in one
+    uint8 tensor, largest element size first (every tensor's byte offset a multiple of its
+    element size), and its `flat_layout`. One CUDA-IPC handle per bucket instead of one per
+    tensor: opening a handle costs the engine far more than copying a tensor."""
     ordered = order_for_flattening(bucket)
-    parts, metadata, at = [], [], 0
-    for name, t in ordered:
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=at,
-                                              end_idx=at + flat.numel(), numel=flat.numel()))
-        parts.append(flat)
-        at += flat.numel()
-    return {"flattened_tensor": torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8),
-            "metadata": metadata}
+    return {"flattened_tensor": _flat_bytes(t for _, t in ordered),
+            "metadata": flat_layout((n, t.shape, t.dtype) for n, t in ordered)}
 
 
 def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -245,11 +259,9 @@ def broadcast_bucket(group: Any, bucket: Sequence[tuple[str, Any]], *, flattened
     """Trainer side: send one bucket from rank 0, in bucket order (one broadcast per tensor,
     or one uint8 broadcast of the concatenated bytes when `flattened`; pass the bucket
     through `order_for_flattening` first, and the same order to the engines)."""
-    import torch
 
     if flattened:
-        flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-        _broadcast(flat, group)
+        _broadcast(_flat_bytes(t for _, t in bucket), group)
         return
     for _, t in bucket:
         _broadcast(t.detach().contiguous(), group)
@@ -258,20 +270,15 @@ def broadcast_bucket(group: Any, bucket: Sequence[tuple[str, Any]], *, flattened
 def receive_bucket(group: Any, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
                    flattened: bool = False, device: str = "cpu") -> list[tuple[str, Any]]:
     """Engine side of `broadcast_bucket`."""
-    import math
 
     import torch
 
     dts = [getattr(torch, d) for d in dtypes]
     if flattened:
-        sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dts)]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        layout = flat_layout(zip(names, shapes, dts))
+        flat = torch.empty(layout[-1].end_idx if layout else 0, dtype=torch.uint8, device=device)
         _broadcast(flat, group)
-        out, offset = [], 0
-        for n, s, d, size in zip(names, shapes, dts, sizes):
-            out.append((n, flat[offset:offset + size].view(d).view(*s).clone()))
-            offset += size
-        return out
+        return [(n, t.clone()) for n, t in unflatten_bucket({"flattened_tensor": flat, "metadata": layout})]
     out = []
     for n, s, d in zip(names, shapes, dts):
         t = torch.empty(tuple(s), dtype=d, device=device)
