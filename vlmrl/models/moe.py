@@ -146,61 +146,6 @@ class HFExperts(MegatronModule):
         return out
 
 
-class LocalTokenDispatcher:
-    """Token dispatcher of a MoE layer whose experts are all local (see the module docstring).
-
-    dispatch: the k experts of each token (read from the router's routing map), a stable
-    argsort of the [N * k] expert ids (tokens stay in order within an expert, as in
-    Megatron's permutation), the rows gathered in that order with their router weights, and
-    the per-expert counts as a device tensor (column sums of the routing map). combine: the expert outputs
-    (already scaled by their weights) put back in token order and summed over the k choices.
-    Every shape is fixed by N and k, so nothing waits for the GPU.
-    """
-
-    def __init__(self, num_local_experts: int, config: TransformerConfig) -> None:
-        self.config = config
-        self.num_experts = num_local_experts
-        self.topk = config.moe_router_topk
-        self.shared_experts = None
-
-    def set_shared_experts(self, shared_experts: Any) -> None:
-        self.shared_experts = shared_experts
-
-    def dispatch_preprocess(self, hidden_states: Tensor, routing_map: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
-        self.hidden_shape = hidden_states.shape
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        k = self.topk
-        experts = routing_map.to(torch.uint8).topk(k, dim=1).indices  # [N, k], the k routed experts
-        weights = probs.gather(1, experts)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        self.order = order
-        # counts from the routing map: torch.bincount would read the largest id back to the host
-        self.tokens_per_expert = routing_map.sum(0)
-        rows = order.div(k, rounding_mode="floor")
-        return x.index_select(0, rows), weights.reshape(-1).index_select(0, order)
-
-    def token_dispatch(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
-        return hidden_states, probs
-
-    def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return hidden_states, self.tokens_per_expert, probs
-
-    def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
-        return hidden_states
-
-    def token_combine(self, hidden_states: Tensor) -> Tensor:
-        return hidden_states
-
-    def combine_postprocess(self, expert_output: Tensor) -> Tensor:
-        order = self.order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = expert_output.index_select(0, inverse).view(-1, self.topk, expert_output.shape[-1]).sum(1)
-        self.order = self.tokens_per_expert = None
-        return out.view(self.hidden_shape)
-
-
 class _Gather(torch.autograd.Function):
     """rows = x[index // repeat] for a permutation `index` of [N * repeat] and its inverse.
 
@@ -225,6 +170,66 @@ class _Gather(torch.autograd.Function):
         return g, None, None, None
 
 
+def _expert_order(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The stable sort of [N * k] expert ids (tokens stay in order within an expert, as in
+    Megatron's permutation) and its inverse permutation, both on the device."""
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=flat.device))
+    return order, inverse
+
+
+class LocalTokenDispatcher:
+    """Token dispatcher of a MoE layer whose experts are all local (see the module docstring).
+
+    dispatch: the k experts of each token (read from the router's routing map), a stable
+    argsort of the [N * k] expert ids (tokens stay in order within an expert, as in
+    Megatron's permutation), the rows gathered in that order with their router weights, and
+    the per-expert counts as a device tensor (column sums of the routing map). combine: the expert outputs
+    (already scaled by their weights) put back in token order and summed over the k choices.
+    Both directions gather (`_Gather`): no backward scatters with atomics.
+    Every shape is fixed by N and k, so nothing waits for the GPU.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig) -> None:
+        self.config = config
+        self.num_experts = num_local_experts
+        self.topk = config.moe_router_topk
+        self.shared_experts = None
+
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        self.shared_experts = shared_experts
+
+    def dispatch_preprocess(self, hidden_states: Tensor, routing_map: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+        self.hidden_shape = hidden_states.shape
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        k = self.topk
+        experts = routing_map.to(torch.uint8).topk(k, dim=1).indices  # [N, k], the k routed experts
+        weights = probs.gather(1, experts)
+        self.order, self.inverse = _expert_order(experts.reshape(-1))
+        # counts from the routing map: torch.bincount would read the largest id back to the host
+        self.tokens_per_expert = routing_map.sum(0)
+        return (_Gather.apply(x, self.order, self.inverse, k),
+                _Gather.apply(weights.reshape(-1), self.order, self.inverse, 1))
+
+    def token_dispatch(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return hidden_states, self.tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    def token_combine(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    def combine_postprocess(self, expert_output: Tensor) -> Tensor:
+        out = _Gather.apply(expert_output, self.inverse, self.order, 1)
+        out = out.view(-1, self.topk, expert_output.shape[-1]).sum(1)
+        self.order = self.inverse = self.tokens_per_expert = None
+        return out.view(self.hidden_shape)
+
+
 def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: Tensor,
                 shared_fc1: Tensor | None, shared_fc2: Tensor | None, shared_gate: Tensor | None) -> tuple[Tensor, Tensor]:
     """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], tokens per expert [E]).
@@ -240,11 +245,10 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
     top, experts = torch.topk(logits, topk, dim=1)
     weights = torch.softmax(top, dim=-1, dtype=torch.float32)
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order, inverse = _expert_order(flat)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0).to(torch.int32)
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
     rows = _Gather.apply(x, order, inverse, topk)  # each token once per chosen expert, by expert
     g, u = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
