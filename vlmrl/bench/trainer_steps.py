@@ -61,16 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..cluster.trainer_group import TrainerWorker, _free_port
     from ..config import load
-    from .weight_sync import write_checkpoint
+    from .weight_sync import trainer_overrides, write_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="vlmrl-steps-"))
     try:
         ckpt, overrides = write_checkpoint(args.model, tmp / "ckpt", dtype)
-        # one GPU shared by the trainer and the engine (the colocated layout)
-        hardware = (["hardware=h200", "cluster.num_gpus=1", "rollout.num_gpus=1"] if args.device == "cuda"
-                    else ["hardware=cpu"])
-        cfg = load([*overrides, *hardware, f"hardware.train_dtype={dtype}", "algo.kl_coef=0",
-                    "hardware.vision_attn_implementation=sdpa", *args.set], check_rules=False)
+        cfg = load([*overrides, *trainer_overrides(args.device, dtype), *args.set], check_rules=False)
         worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
         t0 = time.perf_counter()
         worker.init(str(ckpt), total_steps=args.steps)

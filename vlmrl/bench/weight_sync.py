@@ -93,6 +93,14 @@ def write_checkpoint(model: str, out: Path, dtype: str) -> tuple[Path, list[str]
     return out, overrides
 
 
+def trainer_overrides(device: str, dtype: str) -> list[str]:
+    """The benches' trainer config: the GPU hardware config with one GPU shared by the trainer
+    and the engine (the colocated layout), or the CPU one; no reference model."""
+    hardware = (["hardware=h200", "cluster.num_gpus=1", "rollout.num_gpus=1"] if device == "cuda"
+                else ["hardware=cpu"])
+    return [*hardware, f"hardware.train_dtype={dtype}", "algo.kl_coef=0", "hardware.vision_attn_implementation=sdpa"]
+
+
 def serve(args: argparse.Namespace) -> int:
     """The engine process: the embedded engine behind SGLang's HTTP protocol."""
     from ..rollout.embedded import EmbeddedEngine
@@ -171,11 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, overrides = write_checkpoint(args.model, tmp / "ckpt", args.dtype)
         print(f"checkpoint {ckpt} in {time.perf_counter() - t0:.1f} s", flush=True)
         proc, url = _engine(ckpt, args.device, args.dtype, tmp)
-        # one GPU shared by the trainer and the engine (the colocated layout)
-        hardware = (["hardware=h200", "cluster.num_gpus=1", "rollout.num_gpus=1"] if args.device == "cuda"
-                    else ["hardware=cpu"])
-        cfg = load([*overrides, *hardware, f"hardware.train_dtype={args.dtype}", "cluster.colocate=true",
-                    "rollout.embedded.serve_http=true", "algo.kl_coef=0", "hardware.vision_attn_implementation=sdpa",
+        cfg = load([*overrides, *trainer_overrides(args.device, args.dtype), "cluster.colocate=true",
+                    "rollout.embedded.serve_http=true",
                     *([f"hardware.gdn_backend={args.gdn_backend}"] if args.gdn_backend else []), *args.set],
                    check_rules=False)
         worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
