@@ -68,7 +68,7 @@ class RunResult:
     # max |HF weights - weights exported back from the loaded Megatron model| (0: bitwise)
     roundtrip: float = float("nan")
     buckets: int = 0  # buckets of 256 KiB the weights came in (iter_hf_weights)
-    fast_path_layers: int = 0  # layers that ran the compiled dense path (fused_kernels)
+    fast_path_layers: int = 0  # layers built for the compiled fast path (fused_kernels, FusedTransformerLayer)
     # max |logits of a sample inside the pack - logits of the same sample alone| ("single" only)
     pack_vs_alone: float = float("nan")
     num_parameters: int = 0  # parameters held by global rank 0 (the whole model under "single")

@@ -116,3 +116,84 @@ def _compiled_graphs() -> int:
     import torch._dynamo.utils
 
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def fused_layer_worker(rank: int, world_size: int, lens: tuple[int, ...], device: str = "cpu",
+                       bf16_gdn_backend: str = "torch") -> dict[str, Any]:
+    """Each decoder layer kind of the Qwen3.5-MoE miniature (Gated DeltaNet, gated attention)
+    with `hardware.fused_kernels`: `FusedTransformerLayer`'s compiled fast path against
+    Megatron's forward of the same layer on a packed micro-batch of samples `lens`, in float32
+    and in bf16 (where the MoE block is compiled too). Returns per kind the worst differences,
+    scaled per tensor by the float32 reference, and the spans reported to a span sink.
+    `bf16_gdn_backend="fla"` (CUDA): the bf16 runs take fla's Gated DeltaNet kernels."""
+    import torch
+
+    from vlmrl.config import load
+    from vlmrl.config.schema import ParallelConfig
+    from vlmrl.models.bridge import build_model
+    from vlmrl.models.fused_layer import FusedTransformerLayer
+    from vlmrl.models.moe import use_local_dispatch
+    from vlmrl.training.batch import TrainSample, build_micro_batch
+    from vlmrl.training.parallel_state import init_parallel_state
+
+    init_parallel_state(ParallelConfig(), backend="nccl" if device == "cuda" else "gloo", seed=0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    chunk = build_model(model, ParallelConfig(), params_dtype=torch.float32, fused_kernels=True)[0].to(device)
+    use_local_dispatch(chunk, compiled=True)
+    gen = torch.Generator().manual_seed(0)
+    first_plain = max(model.image_token_id, getattr(model, "vision_start_token_id", 0) or 0) + 16  # text tokens only
+    samples = [TrainSample(input_ids=torch.randint(first_plain, model.lm.vocab_size, (n,), generator=gen).tolist(),
+                           loss_mask=[0.0] + [1.0] * (n - 1)) for n in lens]
+    packed = build_micro_batch(samples, image_token_id=model.image_token_id, spatial_merge_size=2).packed
+    total, hidden = sum(lens), model.lm.hidden_size
+    x0 = torch.randn(total, 1, hidden, generator=gen).to(device)
+    r = torch.randn(total, 1, hidden, generator=gen).to(device)
+    layers = [m for m in chunk.modules() if isinstance(m, FusedTransformerLayer)]
+    out: dict[str, Any] = {"fast_path": [layer.fast_path for layer in layers]}
+    spans: list[tuple[str, str]] = []
+
+    def run(layer: Any, fast: bool, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        chunk.to(dtype)
+        if layer.mixer_kind == "gdn":
+            layer.self_attention.backend = bf16_gdn_backend if dtype == torch.bfloat16 else "torch"
+        params = [p for p in layer.parameters() if p.requires_grad]
+        p_seq = chunk.packed_seq_params(packed, torch.device(device))
+        x = x0.to(dtype).requires_grad_()
+        layer.fast_path = fast
+        layer.vlmrl_span_sink = lambda module, k, edge: spans.append((k, edge))
+        try:
+            y, _ = layer(hidden_states=x, attention_mask=None, packed_seq_params=p_seq)
+        finally:
+            layer.fast_path = True
+            del layer.vlmrl_span_sink
+        grads = torch.autograd.grad((y.float() * r).sum(), [x, *params])
+        return y.detach().float(), [g.float() for g in grads]
+
+    def worst(a: Any, b: Any) -> float:
+        pairs = [(a[0], b[0]), *zip(a[1], b[1], strict=True)]
+        return max(float((u - v).abs().max()) / max(float(v.abs().max()), 1e-6) for u, v in pairs)
+
+    for kind in ("gdn", "attention"):
+        layer = next(m for m in layers if m.mixer_kind == kind).train()
+        with torch.no_grad():  # norm weights, dt_bias, shared-expert gate ... away from their init
+            for p in layer.parameters():
+                p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device, p.dtype))
+        spans.clear()
+        m32, f32 = run(layer, False, torch.float32), run(layer, True, torch.float32)
+        m16, f16 = run(layer, False, torch.bfloat16), run(layer, True, torch.bfloat16)
+        out[kind] = {"fp32": worst(f32, m32), "bf16_fast": worst(f16, m32), "bf16_megatron": worst(m16, m32),
+                     "spans": list(spans), "moe_compiled": bool(getattr(layer.mlp, "compiled", False))}
+
+    # the trainer's step observer on the whole chunk: mixer spans from the fast path, MoE spans
+    # from the module hooks, one each per layer; closing it takes the sinks away again
+    from vlmrl.training.observe import StepObserver
+
+    chunk.to(torch.float32).train()
+    observer = StepObserver([chunk])
+    chunk(packed)[0].float().sum().backward()
+    out["observed_spans"] = {k: sum(m[0] == "done" for m in v) for k, v in observer._events.items()}
+    observer.close()
+    out["sinks_left"] = sum(hasattr(m, "vlmrl_span_sink") for m in layers)
+    out["compiled_graphs"] = _compiled_graphs()
+    return out

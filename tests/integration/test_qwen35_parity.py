@@ -141,11 +141,13 @@ def test_tp_wider_than_the_kv_groups(which):
 
 
 def test_fused_kernels_match_hf_for_qwen35_moe():
-    """hardware.fused_kernels on the Qwen3.5-MoE miniature (compiled norms, M-RoPE, the Gated
-    DeltaNet's decay and gated norm; CPU backend, float32, so the MoE blocks keep Megatron's
-    forward: the compiled block is bf16 and has its own test): HF's parity bounds hold."""
+    """hardware.fused_kernels on the Qwen3.5-MoE miniature: every layer, Gated DeltaNet and gated
+    attention alike, runs as compiled graphs around its eager kernels (`FusedTransformerLayer`;
+    CPU backend, float32, so the MoE blocks keep Megatron's forward: the compiled block is bf16
+    and has its own test): HF's parity bounds hold."""
     model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
     res = run_in_processes(parity.worker, 1, model, [parity.single_layout(1)], 0, True, True,
                            timeout_s=400)[0]
+    assert res["single"].fast_path_layers == model.lm.num_layers
     assert parity.max_abs_diff(res["single"].logits, res["hf"].logits) <= parity.LOGITS_VS_HF
     assert parity.max_abs_diff(res["single"].grads, res["hf"].grads) <= parity.GRADS_VS_HF

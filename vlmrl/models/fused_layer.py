@@ -1,24 +1,34 @@
-"""A Megatron transformer layer whose dense body runs as two Inductor-compiled graphs.
+"""A Megatron transformer layer whose body runs as two Inductor-compiled graphs around its
+eager kernels.
 
 Without TransformerEngine, a megatron-core layer is dozens of small kernel launches plus
-Python per layer (parallel-linear autograd functions, bias-dropout-add, norms, rotary),
-and on a GPU the host, not the GPU, sets the pace: on the H200 bench the GPU is busy for
-about 60% of a step. `FusedTransformerLayer` (the layer spec's module with
-`hardware.fused_kernels=true`) keeps Megatron's modules and parameters (names, sharding
-attributes, checkpoints, DDP hooks and optimizer are unchanged) but runs its forward as
+Python per layer (parallel-linear autograd functions, bias-dropout-add, norms, rotary,
+gates), and on a GPU the host, not the GPU, sets the pace. `FusedTransformerLayer` (the
+layer spec's module with `hardware.fused_kernels=true`) keeps Megatron's modules and
+parameters (names, sharding attributes, checkpoints, DDP hooks and optimizer are
+unchanged) but runs its forward as one of
 
-    pre_attention   input RMSNorm -> QKV GEMM (+bias) -> split heads -> M-RoPE      compiled
-    core attention  per-sample cuDNN SDPA / flash varlen / context parallel        eager
-    post_attention  out-proj GEMM -> residual -> RMSNorm -> fc1 -> SwiGLU -> fc2 -> residual   compiled
+    attention layer (Qwen2.5-VL; Qwen3.5's gated attention)
+      attention_in    input RMSNorm -> QKV(+gate) GEMM -> split heads -> q/k RMSNorm -> M-RoPE   compiled
+      core attention  per-sample cuDNN SDPA / flash varlen / context parallel                 eager
+      attention_out   output gate -> out-proj GEMM -> residual -> pre-MLP RMSNorm [-> MLP]    compiled
 
-Both compiled functions take the weights as arguments, so all layers share one compiled
-graph each (forward and backward), whatever their index. The core attention stays eager:
-its per-sample layout is host data that a graph would have to be specialised on.
+    Gated DeltaNet layer (Qwen3.5)
+      gdn_in          input RMSNorm -> the four input projections -> decay and beta           compiled
+      recurrence      short convolution + gated delta rule (fla's kernels or torch)            eager
+      gdn_out         gated RMSNorm -> out-proj GEMM -> residual -> pre-MLP RMSNorm [-> MLP]  compiled
 
-The fast path covers the dense Qwen2.5-VL-style layer on one tensor-parallel rank (any PP,
-CP, DP, full-layer recompute); everything else (TP/SP communication, qk norms, output
-gates, MoE, dropout, selective recompute, inference contexts) goes through Megatron's own
-forward, with the per-function fused kernels of `vlmrl.models.kernels`.
+A dense SwiGLU MLP (and its residual) is part of the second graph; any other MLP (the MoE
+block, itself one compiled graph with `LocalMoELayer`) is called as its module on the
+normed output, so its hooks and routing statistics work as in Megatron's forward. The
+compiled functions take the weights as arguments, so all layers of a kind share one graph
+each (forward and backward), whatever their index. The eager middle keeps its per-sample
+layout as host data that a graph would have to be specialised on.
+
+The fast path covers one tensor-parallel rank (any PP, DP, full-layer recompute; CP for
+attention layers); everything else (TP/SP communication, CP in Gated DeltaNet layers,
+dropout, biases on the output projections, selective recompute, inference contexts) goes
+through Megatron's own forward, with the per-function fused kernels of `vlmrl.models.kernels`.
 """
 
 from __future__ import annotations
@@ -31,79 +41,173 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from .attention import GroupedSelfAttention, PackedSelfAttentionCore, VLPackedSeqParams
+from .gated_delta import decay_and_beta, gated_rms_norm
+from .gdn import GatedDeltaNet
 from .kernels import fused
 from .mrope import rope_qk
 from .norm import RMSNorm, rms_norm
 
+Norm = tuple[Tensor, float, bool]  # an RMSNorm's (weight, eps, zero_centered)
 
-def pre_attention(h: Tensor, norm_w: Tensor, eps: float, zero_centered: bool, qkv_w: Tensor,
-                  qkv_b: Tensor | None, cos: Tensor, sin: Tensor, heads: int, groups: int,
-                  head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """h [T, 1, H] -> rotated q [T, heads, d], k and v [T, groups, d].
 
-    Megatron's fused QKV rows hold, per query group, that group's query heads then its key
-    and its value (`vlmrl.models.adapters`)."""
-    x = rms_norm(h, norm_w, eps, zero_centered)
+def _norm(x: Tensor, norm: Norm) -> Tensor:
+    return rms_norm(x, *norm)
+
+
+def _mlp_or_norm(h: Tensor, norm: Norm, fc1_w: Tensor | None, fc2_w: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """After the mixer's residual h [T, 1, H]: with a dense SwiGLU MLP's weights, the layer's
+    output and None; without, h and its pre-MLP norm (the MLP module runs next)."""
+    x = _norm(h, norm)
+    if fc1_w is None:
+        return h, x
+    gate, up = F.linear(x, fc1_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, fc2_w), None
+
+
+def attention_in(h: Tensor, norm: Norm, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Norm | None,
+                 k_norm: Norm | None, cos: Tensor, sin: Tensor, heads: int, groups: int, head_dim: int,
+                 gated: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """h [T, 1, H] -> rotated q [T, heads, d], k and v [T, groups, d], output gate [T, heads * d] or None.
+
+    Megatron's fused QKV rows hold, per query group, that group's query heads, then (with an
+    output gate) its gate heads, then its key and its value (`vlmrl.models.adapters`); the
+    q/k norms act per head before the rotary embedding."""
+    x = _norm(h, norm)
     qkv = F.linear(x, qkv_w, qkv_b)
     per = heads // groups
-    qkv = qkv.view(qkv.shape[0], groups, (per + 2) * head_dim)
-    q, k, v = torch.split(qkv, [per * head_dim, head_dim, head_dim], dim=-1)
-    q = q.reshape(q.shape[0], heads, head_dim)
+    widths = [per * head_dim, per * head_dim, head_dim, head_dim] if gated else [per * head_dim, head_dim, head_dim]
+    parts = torch.split(qkv.view(qkv.shape[0], groups, sum(widths)), widths, dim=-1)
+    q, k, v = parts[0].reshape(qkv.shape[0], heads, head_dim), parts[-2], parts[-1]
+    if q_norm is not None:
+        q = _norm(q, q_norm)
+    if k_norm is not None:
+        k = _norm(k, k_norm)
     q, k = rope_qk(q, k, cos, sin)
-    return q, k, v
+    gate = parts[1].reshape(qkv.shape[0], heads * head_dim) if gated else None
+    return q, k, v, gate
 
 
-def post_attention(ctx: Tensor, residual: Tensor, proj_w: Tensor, norm_w: Tensor, eps: float,
-                   zero_centered: bool, fc1_w: Tensor, fc2_w: Tensor) -> Tensor:
-    """Attention output [T, heads*d] + residual [T, 1, H] -> the layer's output [T, 1, H]."""
+def attention_out(ctx: Tensor, gate: Tensor | None, residual: Tensor, proj_w: Tensor, norm: Norm,
+                  fc1_w: Tensor | None = None, fc2_w: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Attention output [T, heads * d] (times sigmoid(gate) in float32, as Megatron's output
+    gate) -> out-proj -> + residual [T, 1, H] -> `_mlp_or_norm`."""
+    if gate is not None:
+        ctx = (ctx * torch.sigmoid(gate.float())).to(ctx.dtype)
     h = residual + F.linear(ctx, proj_w).view_as(residual)
-    x = rms_norm(h, norm_w, eps, zero_centered)
-    gate, up = F.linear(x, fc1_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, fc2_w)
+    return _mlp_or_norm(h, norm, fc1_w, fc2_w)
+
+
+def gdn_in(h: Tensor, norm: Norm, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor, a_log: Tensor,
+           dt_bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h [T, 1, H] -> the Gated DeltaNet's projections: mixed [T, C] (before the convolution),
+    z [T, Hv * dv], and its decay g and write strength beta [T, Hv]."""
+    x = _norm(h, norm).squeeze(1)
+    g, beta = decay_and_beta(F.linear(x, a_w), F.linear(x, b_w), a_log, dt_bias)
+    return F.linear(x, qkv_w), F.linear(x, z_w), g, beta
+
+
+def gdn_out(o: Tensor, z: Tensor, gate_norm_w: Tensor, gate_eps: float, residual: Tensor, out_w: Tensor,
+            norm: Norm, fc1_w: Tensor | None = None, fc2_w: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Recurrence output o [T, Hv, dv] -> gated RMSNorm (gate z) -> out-proj -> + residual ->
+    `_mlp_or_norm`."""
+    o = gated_rms_norm(o, z.view_as(o), gate_norm_w, gate_eps)
+    h = residual + F.linear(o.reshape(o.shape[0], -1), out_w).view_as(residual)
+    return _mlp_or_norm(h, norm, fc1_w, fc2_w)
 
 
 class FusedTransformerLayer(TransformerLayer):
-    """megatron-core's TransformerLayer with the compiled dense fast path (module docstring)."""
+    """megatron-core's TransformerLayer with the compiled fast path (module docstring).
+
+    `fast_path`: the layer's modules allow it (checked once at build); each forward also checks
+    its inputs. An observer may set `vlmrl_span_sink(layer, kind, edge)`: on the fast path the
+    layer reports the start and end of its mixer ("attention" or "gdn") through it, since the
+    mixer module itself is not called (an MLP fused into the graph counts with the mixer)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fast_path = self._supports_fast_path()
+        self.mixer_kind = self._fast_path_kind()
+        self.fast_path = self.mixer_kind is not None
+        self.fused_mlp = self.fast_path and self._dense_mlp()
 
-    def _supports_fast_path(self) -> bool:
+    def _fast_path_kind(self) -> str | None:
         from megatron.core.transformer.attention import SelfAttention
-        from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.identity_op import IdentityOp
 
         c = self.config
-        attn, mlp = self.self_attention, self.mlp
-        return (
+        attn = self.self_attention
+        common = (
             c.tensor_model_parallel_size == 1 and not c.sequence_parallel
-            and c.hidden_dropout == 0.0 and c.attention_dropout == 0.0
+            and c.hidden_dropout == 0.0 and not c.add_bias_linear
             and not c.fp32_residual_connection and not c.apply_residual_connection_post_layernorm
-            and c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
-            and not getattr(c, "attention_output_gate", False) and not c.qk_layernorm
             and c.recompute_granularity != "selective"  # Megatron's per-module recompute wraps its own forward
             and not getattr(self, "recompute_input_layernorm", False)
             and not getattr(self, "recompute_pre_mlp_layernorm", False)
             and not getattr(self, "offload_attn_norm", False) and not getattr(self, "offload_mlp_norm", False)
-            and type(attn) in (SelfAttention, GroupedSelfAttention)
-            and isinstance(attn.core_attention, PackedSelfAttentionCore)
-            and type(mlp) is MLP
             and isinstance(self.input_layernorm, RMSNorm) and isinstance(self.pre_mlp_layernorm, RMSNorm)
         )
+        if not common:
+            return None
+        if type(attn) in (SelfAttention, GroupedSelfAttention):
+            norms_ok = all(isinstance(n, (RMSNorm, IdentityOp)) or n is None
+                           for n in (attn.q_layernorm, attn.k_layernorm))
+            if (c.attention_dropout == 0.0 and norms_ok
+                    and isinstance(attn.core_attention, PackedSelfAttentionCore)):
+                return "attention"
+            return None
+        if isinstance(attn, GatedDeltaNet) and attn.tp == 1:
+            return "gdn"
+        return None
+
+    def _dense_mlp(self) -> bool:
+        from megatron.core.transformer.mlp import MLP
+
+        c = self.config
+        return type(self.mlp) is MLP and c.gated_linear_unit and c.activation_func is F.silu
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         p = kwargs.get("packed_seq_params")
         if (not self.fast_path or args or kwargs.get("inference_context") is not None
                 or kwargs.get("inference_params") is not None or not isinstance(p, VLPackedSeqParams)
-                or p.qkv_format != "thd" or p.rope_cos is None):
+                or p.qkv_format != "thd"
+                or (self.mixer_kind == "attention" and p.rope_cos is None)
+                or (self.mixer_kind == "gdn" and p.cp_size != 1)):
             return super().forward(*args, **kwargs)
         h = kwargs["hidden_states"]
-        attn, c = self.self_attention, self.config
         n1, n2 = self.input_layernorm, self.pre_mlp_layernorm
-        q, k, v = fused(pre_attention)(
-            h, n1.weight, n1.eps, n1.zero_centered, attn.linear_qkv.weight, attn.linear_qkv.bias,
-            p.rope_cos, p.rope_sin, c.num_attention_heads, c.num_query_groups, c.kv_channels)
-        ctx = attn.core_attention.attend(q, k, v, p)
-        out = fused(post_attention)(ctx, h, attn.linear_proj.weight, n2.weight, n2.eps, n2.zero_centered,
-                                    self.mlp.linear_fc1.weight, self.mlp.linear_fc2.weight)
+        norm1, norm2 = (n1.weight, n1.eps, n1.zero_centered), (n2.weight, n2.eps, n2.zero_centered)
+        fc = (self.mlp.linear_fc1.weight, self.mlp.linear_fc2.weight) if self.fused_mlp else (None, None)
+        sink = getattr(self, "vlmrl_span_sink", None)
+        if sink is not None:
+            sink(self, self.mixer_kind, "start")
+        if self.mixer_kind == "attention":
+            out, x = self._attention(h, p, norm1, norm2, fc)
+        else:
+            out, x = self._gdn(h, p, norm1, norm2, fc)
+        if sink is not None:
+            sink(self, self.mixer_kind, "stop")
+        if x is not None:  # the MLP module on the normed output, then its residual
+            mlp_out, mlp_bias = self.mlp(x)
+            out = out + (mlp_out if mlp_bias is None else mlp_out + mlp_bias)
         return out, kwargs.get("context")
+
+    def _attention(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
+                   fc: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+        attn, c = self.self_attention, self.config
+        gated = bool(getattr(c, "attention_output_gate", False))
+
+        def qk(n: Any) -> Norm | None:
+            return (n.weight, n.eps, n.zero_centered) if isinstance(n, RMSNorm) else None
+
+        q, k, v, gate = fused(attention_in)(
+            h, norm1, attn.linear_qkv.weight, attn.linear_qkv.bias, qk(attn.q_layernorm), qk(attn.k_layernorm),
+            p.rope_cos, p.rope_sin, c.num_attention_heads, c.num_query_groups, c.kv_channels, gated)
+        ctx = attn.core_attention.attend(q, k, v, p)
+        return fused(attention_out)(ctx, gate, h, attn.linear_proj.weight, norm2, *fc)
+
+    def _gdn(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
+             fc: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+        m = self.self_attention
+        mixed, z, g, beta = fused(gdn_in)(h, norm1, m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
+                                          m.in_proj_a.weight, m.A_log, m.dt_bias)
+        o = m.recurrence(mixed, g, beta, p, m.conv1d.weight.squeeze(1), m.hk, m.hv)
+        return fused(gdn_out)(o, z, m.norm.weight, m.eps, h, m.out_proj.weight, norm2, *fc)

@@ -136,7 +136,6 @@ class GatedDeltaNet(MegatronModule):
         a = F.linear(x, self.in_proj_a.weight)
 
         cp = p.cp_size
-        lay = p.layout()
         heads_k, heads_v = self.hk, self.hv
         conv_w, a_log, dt_bias = self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias
         if cp > 1:
@@ -150,8 +149,28 @@ class GatedDeltaNet(MegatronModule):
             r = p.cp_rank
             conv_w = conv_w[r * heads_k * self.group:(r + 1) * heads_k * self.group]
             a_log, dt_bias = a_log[r * heads_v:(r + 1) * heads_v], dt_bias[r * heads_v:(r + 1) * heads_v]
+        g, beta = self._decay_and_beta(a, b, a_log, dt_bias)
+        o = self.recurrence(mixed, g, beta, p, conv_w, heads_k, heads_v)
+        total = o.shape[0]
+        o = self._gated_rms_norm(o, z.view(total, heads_v, self.dv), self.norm.weight, self.eps)
+        o = o.reshape(total, heads_v * self.dv)
+        if cp > 1:
+            o = _heads_to_seq(o, cp, group, order)
+        out = F.linear(o, self.out_proj.weight).unsqueeze(1)
+        if c.sequence_parallel and self.tp > 1:
+            out = reduce_scatter_to_sequence_parallel_region(out)
+        elif self.tp > 1:
+            out = reduce_from_tensor_model_parallel_region(out)
+        return out, None
+
+    def recurrence(self, mixed: Tensor, g: Tensor, beta: Tensor, p: VLPackedSeqParams, conv_w: Tensor,
+                   heads_k: int, heads_v: int) -> Tensor:
+        """The short convolution and the gated delta rule over whole samples: projected
+        mixed [T, heads_k * group] (rows grouped by key head), decay g and write strength
+        beta [T, heads_v] -> o [T, heads_v, dv]. The part of the layer that stays eager on
+        the compiled path (`vlmrl.models.fused_layer`): fla's kernels or the torch reference."""
         total = mixed.shape[0]
-        bounds = gd.segment_bounds(lay["whole_offsets"][:-1], total)
+        bounds = gd.segment_bounds(p.layout()["whole_offsets"][:-1], total)
         if self.backend == "fla":
             cu, cu_host = p._cache.get("gdn_cu") or (None, None)
             if cu is None:
@@ -164,21 +183,9 @@ class GatedDeltaNet(MegatronModule):
         mixed = mixed.view(total, heads_k, self.group)
         q, k, v = mixed.split([self.dk, self.dk, self.ratio * self.dv], dim=-1)
         v = v.reshape(total, heads_v, self.dv)
-        g, beta = self._decay_and_beta(a, b, a_log, dt_bias)
         if self.backend == "fla":
-            o = gd.fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host)
-        else:
-            o = gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
-        o = self._gated_rms_norm(o, z.view(total, heads_v, self.dv), self.norm.weight, self.eps)
-        o = o.reshape(total, heads_v * self.dv)
-        if cp > 1:
-            o = _heads_to_seq(o, cp, group, order)
-        out = F.linear(o, self.out_proj.weight).unsqueeze(1)
-        if c.sequence_parallel and self.tp > 1:
-            out = reduce_scatter_to_sequence_parallel_region(out)
-        elif self.tp > 1:
-            out = reduce_from_tensor_model_parallel_region(out)
-        return out, None
+            return gd.fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host)
+        return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
 
 
 # --------------------------------------------------------------------------- context parallel

@@ -32,6 +32,7 @@ class StepObserver:
         from megatron.core.transformer.moe.moe_layer import MoELayer
         from megatron.core.transformer.moe.router import TopKRouter
 
+        from ..models.fused_layer import FusedTransformerLayer
         from ..models.gdn import GatedDeltaNet
 
         self._counts: dict[int, torch.Tensor] = {}  # layer -> tokens per expert
@@ -47,6 +48,11 @@ class StepObserver:
                     # the compiled MoE block (vlmrl.models.moe.LocalMoELayer) routes without
                     # calling the router module and reports its counts here instead
                     module.vlmrl_routing_sink = self._record_routing
+                    self._sinks.append(module)
+                if isinstance(module, FusedTransformerLayer) and module.fast_path:
+                    # the compiled layer runs its mixer without calling the mixer module and
+                    # reports the mixer's span here instead
+                    module.vlmrl_span_sink = self._record_span
                     self._sinks.append(module)
                 for cls, kind in kinds.items():
                     if isinstance(module, cls):
@@ -92,6 +98,13 @@ class StepObserver:
                 last.append(_mark())
 
         return hook
+
+    def _record_span(self, module: Any, kind: str, edge: str) -> None:
+        """A mixer's forward span reported by a compiled layer (`FusedTransformerLayer`)."""
+        if edge == "start":
+            self._start(kind)(module, ())
+        else:
+            self._stop(kind)(module, (), None)
 
     # ------------------------------------------------------------------ results
     def collect(self) -> dict[str, float]:
@@ -146,8 +159,10 @@ class StepObserver:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for router in self._sinks:
-            del router.vlmrl_routing_sink
+        for module in self._sinks:
+            for name in ("vlmrl_routing_sink", "vlmrl_span_sink"):
+                if name in module.__dict__:
+                    delattr(module, name)
         self._sinks.clear()
 
 
