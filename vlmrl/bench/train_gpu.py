@@ -195,26 +195,56 @@ def sync_points(step: Any, name: str) -> list[str]:
     return out
 
 
+MANUAL_GC = False  # --manual-gc: no automatic Python collections during the timed steps
+
+
 def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
     """Wall seconds per step, and host seconds (until the step has queued its last kernel:
-    close to the wall time means the step is bound by Python / kernel launches)."""
+    close to the wall time means the step is bound by Python / kernel launches), and the
+    host seconds each step spent in Python's garbage collector."""
+    import gc
+
     for i in range(warmup):  # the first steps compile (Inductor, Triton, TileLang): shown, not timed
         t0 = time.perf_counter()
         step()
         if CUDA:
             torch.cuda.synchronize()
         print(f"  warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s", flush=True)
-    times, host = [], []
-    for _ in range(iters):
-        if CUDA:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        host.append(time.perf_counter() - t0)
-        if CUDA:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "host_times": host}
+    times, host, gc_s = [], [], []
+    spent = {"s": 0.0, "t0": 0.0, "gen2": 0}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            spent["t0"] = time.perf_counter()
+        else:
+            spent["s"] += time.perf_counter() - spent["t0"]
+            spent["gen2"] += info["generation"] == 2
+
+    if MANUAL_GC:  # what a trainer with manual collection does between steps
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(iters):
+            if CUDA:
+                torch.cuda.synchronize()
+            spent["s"] = 0.0
+            t0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t0)
+            if CUDA:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            gc_s.append(spent["s"])
+    finally:
+        gc.callbacks.remove(on_gc)
+        if MANUAL_GC:
+            gc.enable()
+            gc.unfreeze()
+    print(f"  Python GC: {statistics.median(gc_s) * 1e3:.2f} ms per step (median), "
+          f"{sum(gc_s) * 1e3:.1f} ms over {iters} steps, {spent['gen2']} full collections", flush=True)
+    return {"times": times, "host_times": host, "gc_times": gc_s}
 
 
 def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
@@ -329,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gdn-backend", default="fla" if CUDA else "torch", choices=("torch", "fla"))
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
+    ap.add_argument("--manual-gc", action="store_true",
+                    help="freeze the heap and disable Python's automatic GC during the timed steps (all variants)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
     ap.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step per variant")
     ap.add_argument("--stacks-every", type=float, default=0,
@@ -338,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
-    global PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG
+    global PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG, MANUAL_GC
     PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG = args.profile, args.cprofile, args.sync_debug
+    MANUAL_GC = args.manual_gc
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
@@ -376,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             embed = args.vocab * args.hidden
             fpt = flops_per_token(r["params"] - embed, args.layers, args.hidden, args.seq) + 6 * embed
         rows.append({"variant": variant, "median_s": med, "host_median_s": statistics.median(r["host_times"]),
+                     "gc_median_s": statistics.median(r["gc_times"]),
                      "tokens_per_s": args.seq / med,
                      "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
                      "params": r["params"],
