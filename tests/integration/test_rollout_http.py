@@ -536,6 +536,12 @@ def test_weight_sync_bench_verifies_the_sync(tmp_path):
     row = json.loads((tmp_path / "weight_sync_tiny.json").read_text())["row"]
     assert row["verified"] and row["weight_version"] == "v1"
     assert row["logprob_max_abs_diff"] <= 1e-4 and row["bytes"] > 0
+    # where the sync's host time went: every phase timed, together within the sync's wall time
+    phases = row["phases"]
+    assert phases["buckets"] >= 1
+    parts = [phases[k] for k in ("gather_convert_s", "serialize_s", "engines_s", "barrier_s")]
+    assert all(p >= 0 for p in parts) and phases["engines_s"] > 0
+    assert sum(parts) <= row["median_s"] * 1.01
 
 
 def test_flattened_bucket_load_format_is_checked_against_the_payload(engine, server):

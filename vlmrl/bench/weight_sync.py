@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.add_((noise * 0.01 * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
 
         bucket = args.bucket_mb << 20
-        times, sent = [], 0
+        times, phases, sent = [], [], 0
         for i in range(args.repeats + 1):  # the first sync opens the connection: not timed
             if args.device == "cuda":
                 torch.cuda.synchronize()
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
             if i:
                 times.append(time.perf_counter() - t0)
+                phases.append(worker.last_sync_phases)
         ids, lp_engine, version = _sample(url, prompt, 16)
         worker._drop_engine_links()
         sample = TrainSample(input_ids=prompt + ids, loss_mask=[0.0] * len(prompt) + [1.0] * len(ids))
@@ -222,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                "bytes": sent, "bucket_mb": args.bucket_mb, "sync_s": times, "median_s": med,
                "gb_per_s": sent / med / 1e9, "weight_version": version,
                "logprob_max_abs_diff": diff, "logprob_tol": LOGPROB_TOL[args.dtype],
-               "engine_moved_by_sync": moved}
+               "engine_moved_by_sync": moved,
+               # host seconds per phase of the median sync (TrainerWorker.last_sync_phases)
+               "phases": phases[min(range(len(times)), key=lambda j: abs(times[j] - med))]}
         ok = version == f"v{args.repeats}" and diff <= LOGPROB_TOL[args.dtype] and (moved is None or moved > diff)
         row["verified"] = ok
         result = {"command": "python -m vlmrl.bench.weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model}: {sent / 1e9:.2f} GB in {med:.3f} s = {sent / med / 1e9:.1f} GB/s "
               f"(syncs {', '.join(f'{t:.3f}' for t in times)} s); logprobs after sync: max |diff| {diff:.2e} "
               f"(tol {LOGPROB_TOL[args.dtype]}), moved by the sync: {moved}; version {version}; verified {ok}",
+              flush=True)
+        print("  host seconds by phase (the median sync): "
+              + ", ".join(f"{k} {v:.4f}" if k.endswith("_s") else f"{k} {v}" for k, v in row["phases"].items()),
               flush=True)
         return 0 if ok else 1
     finally:

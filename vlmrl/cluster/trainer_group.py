@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,12 +124,27 @@ class TrainerWorker:
             sources = wt.payload_sources(layout.trainer_devices, layout.rollout_device_offset, len(urls), tp)
         senders = {r for ranks in sources for r in ranks}
         sent = 0
+        # host seconds of this sync by phase (no device syncs added: the device work of a
+        # colocated sync is a few copies; where a phase waits for the GPU it shows up there)
+        phases = dict.fromkeys(("gather_convert", "serialize", "engines", "barrier"), 0.0)
+        clock = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[phase] += now - clock
+            clock = now
+
+        buckets = 0
         for bucket, last in wt.with_last(self.trainer.iter_hf_weights(bucket_bytes)):
+            lap("gather_convert")
+            buckets += 1
             version = weight_version if last else None
             if colocate:
                 alive: list[Any] = []  # this rank's flattened copy, until the barrier below
                 mine = wt.serialize_payload(bucket, fmt, keep=alive) if self.rank in senders else None
                 per_engine = wt.gather_rank_payloads(mine, sources)
+                lap("serialize")
                 if per_engine is not None:  # rank 0
                     async def post(per_engine: list[list[str]] = per_engine, last: bool = last,
                                    version: str | None = version) -> None:
@@ -137,13 +153,17 @@ class TrainerWorker:
                                                for e, payloads in zip(self._http, per_engine)))
 
                     self._loop.run_until_complete(post())
+                lap("engines")
                 dist.barrier()  # the engines have read every rank's copy: the bucket may go
                 del alive
+                lap("barrier")
             elif self.rank == 0:
                 self._loop.run_until_complete(wt.update_weights_distributed(
                     self._http, self._group, bucket, bucket_bytes=None, weight_version=version, final=last))
+                lap("engines")
             if self.rank == 0:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        self.last_sync_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": buckets}
         return sent
 
     def _drop_engine_links(self) -> None:
