@@ -1,8 +1,9 @@
 """`python -m vlmrl.bench [cli|rollout|train-gpu|weight-sync|trainer-steps] [args]` (what `make bench` runs).
 
 Without a name it runs the CPU benchmarks (dry-run latency, embedded-engine rollout
-throughput with the tiny model) and, where CUDA is available, the GPU training benchmark
-and the colocated weight sync of the dense model.
+throughput with the tiny model) and, where CUDA is available, what bench/results reports
+for one GPU: the dense and the Qwen3.5-MoE training pairs against HF (interleaved twice in
+one process each), the colocated weight sync of both models, and the trainer's warm-up.
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ def main(argv: list[str]) -> int:
     rc = cli.main([])
     rc |= rollout.main(["--batch-size", "64", "--max-new-tokens", "64", "--device", "cpu", "--repeats", "3"])
     if torch.cuda.is_available():
-        rc |= train_gpu.main(["--seq", "4096"])
-        rc |= weight_sync.main(["--model", "dense", "--device", "cuda"])
+        rc |= train_gpu.main(["--seq", "4096", "--iters", "20", "--warmup", "5",
+                              "--variants", "hf_sdpa,vlmrl_megatron_fused,hf_sdpa,vlmrl_megatron_fused"])
+        rc |= train_gpu.main(["--shape", "qwen35_moe", "--samples", "8", "--iters", "10", "--warmup", "3",
+                              "--variants", "hf_qwen35_moe,vlmrl_qwen35_moe,hf_qwen35_moe,vlmrl_qwen35_moe"])
+        for model in ("dense", "qwen35_moe"):
+            rc |= weight_sync.main(["--model", model, "--device", "cuda"])
+        rc |= trainer_steps.main(["--model", "qwen35_moe", "--device", "cuda"])
     return rc
 
 
