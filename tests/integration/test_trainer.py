@@ -83,8 +83,12 @@ def test_step_gradient_under_model_parallelism(tiny_config, tiny_checkpoint, lay
         assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (layout, megatron_norm, hf_norm)
 
 
-# (TP2+SP and EP2 alone are in the parity tests; here the trainer's reductions on top)
-MOE_LAYOUTS = {"pp=2": {"pp": 2}, "cp=2": {"cp": 2}, "tp=2+sp+ep=2": {"tp": 2, "sequence_parallel": True, "ep": 2}}
+# (TP2+SP and EP2 alone are in the parity tests; here the trainer's reductions on top).
+# PP2 runs with hardware.fused_kernels (the GPU configs' setting; Inductor's CPU backend here)
+# and full-layer recompute: every layer of both stages on FusedTransformerLayer's compiled path,
+# again in the recomputed forward.
+MOE_LAYOUTS = {"pp=2+fused+recompute": {"pp": 2, "recompute_granularity": "full"}, "cp=2": {"cp": 2},
+               "tp=2+sp+ep=2": {"tp": 2, "sequence_parallel": True, "ep": 2}}
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
@@ -92,12 +96,15 @@ def test_moe_step_gradient_under_model_parallelism(tiny_moe_config, tiny_moe_che
     """The tiny Qwen3.5-MoE through the real trainer (Megatron DDP, finalize_model_grads with
     the TP sums of the Gated DeltaNet norm, expert-parallel gradients) on two ranks: the
     gradient norm equals HF's for the same batch."""
+    fused = "fused" in layout
     cfg = dataclasses.replace(tiny_moe_config,
-                              parallel=dataclasses.replace(tiny_moe_config.parallel, **MOE_LAYOUTS[layout]))
-    results = spawn_local(_sft_grad_norm, 2, cfg, tiny_moe_checkpoint)
+                              parallel=dataclasses.replace(tiny_moe_config.parallel, **MOE_LAYOUTS[layout]),
+                              hardware=dataclasses.replace(tiny_moe_config.hardware, fused_kernels=fused))
+    results = spawn_local(_sft_grad_norm, 2, cfg, tiny_moe_checkpoint, timeout_s=600)
     hf_norm = results[0][1]
-    for megatron_norm, _, _ in results:
+    for megatron_norm, _, fast in results:
         assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (layout, megatron_norm, hf_norm)
+        assert fast == (cfg.model.lm.num_layers // 2 if fused else 0)
 
 
 def _tp_checkpoint(rank: int, world: int, cfg, path: str, ckpt: str, save: bool) -> dict | None:
