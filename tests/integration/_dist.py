@@ -119,13 +119,14 @@ def _compiled_graphs() -> int:
 
 
 def fused_layer_worker(rank: int, world_size: int, lens: tuple[int, ...], device: str = "cpu",
-                       bf16_gdn_backend: str = "torch") -> dict[str, Any]:
+                       bf16_gdn_backend: str = "torch", bf16: bool = True) -> dict[str, Any]:
     """Each decoder layer kind of the Qwen3.5-MoE miniature (Gated DeltaNet, gated attention)
     with `hardware.fused_kernels`: `FusedTransformerLayer`'s compiled fast path against
     Megatron's forward of the same layer on a packed micro-batch of samples `lens`, in float32
     and in bf16 (where the MoE block is compiled too). Returns per kind the worst differences,
     scaled per tensor by the float32 reference, and the spans reported to a span sink.
-    `bf16_gdn_backend="fla"` (CUDA): the bf16 runs take fla's Gated DeltaNet kernels."""
+    `bf16_gdn_backend="fla"` (CUDA): the bf16 runs take fla's Gated DeltaNet kernels;
+    `bf16=False`: float32 only."""
     import torch
 
     from vlmrl.config import load
@@ -181,9 +182,11 @@ def fused_layer_worker(rank: int, world_size: int, lens: tuple[int, ...], device
                 p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device, p.dtype))
         spans.clear()
         m32, f32 = run(layer, False, torch.float32), run(layer, True, torch.float32)
-        m16, f16 = run(layer, False, torch.bfloat16), run(layer, True, torch.bfloat16)
-        out[kind] = {"fp32": worst(f32, m32), "bf16_fast": worst(f16, m32), "bf16_megatron": worst(m16, m32),
-                     "spans": list(spans), "moe_compiled": bool(getattr(layer.mlp, "compiled", False))}
+        out[kind] = {"fp32": worst(f32, m32), "spans": list(spans),
+                     "moe_compiled": bool(getattr(layer.mlp, "compiled", False))}
+        if bf16:
+            m16, f16 = run(layer, False, torch.bfloat16), run(layer, True, torch.bfloat16)
+            out[kind].update(bf16_fast=worst(f16, m32), bf16_megatron=worst(m16, m32))
 
     # the trainer's step observer on the whole chunk: mixer spans from the fast path, MoE spans
     # from the module hooks, one each per layer; closing it takes the sinks away again

@@ -4,9 +4,11 @@ compiles the graphs; tests/gpu runs the same worker on CUDA).
 
 float32: the fast path is Megatron's maths up to summation order, so outputs and every
 gradient (input, norms, projections, gates, conv, decay parameters, experts) agree to 1e-5 of
-their scale. bf16 (the MoE block compiled as well): its worst difference from the float32
-reference may not exceed 1.5x Megatron's own bf16 difference plus 1e-2: it rounds like a bf16
-forward, not like another computation (a wrong head split or a missed gate is O(1)).
+their scale. bf16 (the MoE block compiled as well) is checked on the GPU
+(tests/gpu/test_qwen35_gpu.py::test_fused_layers_on_cuda, the same worker): its worst
+difference from the float32 reference may not exceed 1.5x Megatron's own bf16 difference plus
+1e-2, i.e. it rounds like a bf16 forward, not like another computation (a wrong head split or
+a missed gate is O(1)).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from _dist import fused_layer_worker, run_in_processes
 
 @pytest.fixture(scope="module")
 def result():
-    return run_in_processes(fused_layer_worker, 1, (37, 50, 41), timeout_s=600)[0]
+    return run_in_processes(fused_layer_worker, 1, (37, 50, 41), "cpu", "torch", False, timeout_s=600)[0]
 
 
 def test_every_layer_of_the_hybrid_model_takes_the_fast_path(result):
     assert result["fast_path"] and all(result["fast_path"])
     assert result["compiled_graphs"] >= 4  # gdn_in, gdn_out, attention_in, attention_out
+    assert result["gdn"]["moe_compiled"] and result["attention"]["moe_compiled"]  # set for the bf16 block
 
 
 @pytest.mark.parametrize("kind", ["gdn", "attention"])
@@ -31,17 +34,10 @@ def test_fast_path_is_megatrons_maths_in_fp32(result, kind):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "attention"])
-def test_fast_path_rounds_like_bf16(result, kind):
-    r = result[kind]
-    assert r["moe_compiled"]  # the bf16 run's MoE block is the compiled one
-    assert r["bf16_fast"] <= 1.5 * r["bf16_megatron"] + 1e-2
-
-
-@pytest.mark.parametrize("kind", ["gdn", "attention"])
 def test_fast_path_reports_the_mixer_span(result, kind):
-    """The mixer module is not called on the fast path; the layer reports its span (two fast
-    forwards: float32 and bf16), Megatron's forward reports none through the sink."""
-    assert result[kind]["spans"] == [(kind, "start"), (kind, "stop")] * 2
+    """The mixer module is not called on the fast path; the layer reports its span (one fast
+    forward), Megatron's forward reports none through the sink."""
+    assert result[kind]["spans"] == [(kind, "start"), (kind, "stop")]
 
 
 def test_the_step_observer_times_every_mixer_on_the_fast_path(result):
