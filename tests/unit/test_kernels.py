@@ -2,7 +2,7 @@
 
 Compiled here with Inductor's CPU backend in float32: the same graphs the GPU configs
 compile for Triton. Values and gradients must agree to float32 rounding, including when
-the token count changes (the recompile to shape-generic kernels).
+the token count changes (the graphs are shape-generic in it from the first compile).
 """
 
 from __future__ import annotations
@@ -36,9 +36,31 @@ def test_pick_returns_the_plain_function_unless_fused():
     assert pick(rms_norm, True) is fused(rms_norm)  # one compiled twin per process
 
 
+def _swish_gate(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate) * w
+
+
+def test_a_new_token_count_compiles_nothing_new():
+    """The first compile is generic in the token dim (activations marked dynamic, parameters
+    not): in training every micro-batch has another length, and none may recompile."""
+    import torch._dynamo.utils
+
+    graphs = torch._dynamo.utils.counters["stats"]
+    w = torch.nn.Parameter(torch.randn(24))
+    seen = []
+    for tokens in (9, 31, 17, 64):
+        x, gate = torch.randn(tokens, 24, requires_grad=True), torch.randn(tokens, 24)
+        before = graphs["unique_graphs"]
+        out = fused(_swish_gate)(x, gate, w)
+        out.sum().backward()
+        seen.append(graphs["unique_graphs"] - before)
+        assert torch.allclose(out, _swish_gate(x, gate, w), atol=1e-6)
+    assert seen == [1, 0, 0, 0]
+
+
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_fused_rms_norm_matches_plain(zero_centered):
-    for tokens in (7, 13):  # a second shape: automatic dynamic recompile
+    for tokens in (7, 13):  # a second token count: the same shape-generic graph
         x = torch.randn(tokens, 1, 48) * 3
         w = torch.randn(48) * 0.1 + (0.0 if zero_centered else 1.0)
         fn = lambda x, w: rms_norm(x, w, 1e-6, zero_centered)  # noqa: E731

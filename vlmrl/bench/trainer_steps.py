@@ -4,8 +4,8 @@ The loop's trainer (`TrainerWorker` -> `MegatronTrainer`, one rank, the hardware
 fast paths: on a GPU `hardware=h200`, i.e. compiled layers, the compiled MoE block and fla's
 Gated DeltaNet) takes GRPO steps on batches shaped like rollouts: every step draws new
 prompt and response lengths, so the packed micro-batches change length and layout from
-step to step as they do in training. Step 1 pays torch.compile (a static shape), the first
-step with a new length pays one more compile (the shape-generic one), and fla / TileLang
+step to step as they do in training. Step 1 pays torch.compile (graphs generic in the token
+count, `vlmrl.models.kernels.fused`, so a new length compiles nothing), and fla / TileLang
 kernels compile on first use; after that a step costs what it costs.
 
     python -m vlmrl.bench.trainer_steps --model qwen35_moe --steps 12 --out $OUT     (GPU)

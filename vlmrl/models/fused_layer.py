@@ -172,7 +172,12 @@ class FusedTransformerLayer(TransformerLayer):
                 or (self.mixer_kind == "attention" and p.rope_cos is None)
                 or (self.mixer_kind == "gdn" and p.cp_size != 1)):
             return super().forward(*args, **kwargs)
+        # [T, 1, H] with the strides of a contiguous tensor: the first layer gets the embedding
+        # as a transposed view (stride T*H on the size-1 dim), which would cost every graph of
+        # its kind a second compile for a stride that addresses nothing
         h = kwargs["hidden_states"]
+        if h.stride(1) != h.shape[2]:
+            h = h.squeeze(1).unsqueeze(1)
         n1, n2 = self.input_layernorm, self.pre_mlp_layernorm
         norm1, norm2 = (n1.weight, n1.eps, n1.zero_centered), (n2.weight, n2.eps, n2.zero_centered)
         fc = (self.mlp.linear_fc1.weight, self.mlp.linear_fc2.weight) if self.fused_mlp else (None, None)

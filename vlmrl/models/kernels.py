@@ -30,11 +30,33 @@ from typing import Any
 
 import torch
 
+# Calls of each compiled function whose activations are marked dynamic in their token dim
+# (see `fused`): enough to cover its first compile in every process; later calls reuse it.
+_MARKED_CALLS = 64
+
 
 @functools.cache
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The Inductor-compiled twin of a pure tensor function (one per process)."""
-    return torch.compile(fn, fullgraph=True, dynamic=None)
+    """The Inductor-compiled twin of a pure tensor function (one per process).
+
+    Its activations (tensor arguments that are not parameters) come in with their first dim,
+    the packed token count, marked dynamic: the first compile is then the shape-generic one,
+    where torch's automatic dynamic shapes would compile a static graph first and the generic
+    one again at the first new length, which in training is the second micro-batch."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=None)
+    calls = 0
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        if calls < _MARKED_CALLS:
+            calls += 1
+            for a in args:
+                if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.dim():
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def pick(fn: Callable[..., Any], use_fused: bool) -> Callable[..., Any]:
