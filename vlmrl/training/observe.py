@@ -80,31 +80,23 @@ class StepObserver:
         self._counts[layer] = counts if prev is None else prev + counts
         self._routed[layer] += tokens * int(router.topk)
 
-    def _start(self, kind: str) -> Any:
-        def hook(module: Any, args: Any) -> None:
-            if not (module.training and torch.is_grad_enabled()):
-                return
-            self._events[kind].append(["start", _mark()])
+    def _record_span(self, module: Any, kind: str, edge: str) -> None:
+        """One edge ("start" / "stop") of a `kind` forward: from the module hooks, or from a
+        compiled layer (`FusedTransformerLayer`) that runs its mixer without calling it."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        marks = self._events[kind]
+        if edge == "start":
+            marks.append(["start", _mark()])
+        elif marks and marks[-1][0] == "start":
+            marks[-1][0] = "done"
+            marks[-1].append(_mark())
 
-        return hook
+    def _start(self, kind: str) -> Any:
+        return lambda module, args: self._record_span(module, kind, "start")
 
     def _stop(self, kind: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            if not (module.training and torch.is_grad_enabled()) or not self._events[kind]:
-                return
-            last = self._events[kind][-1]
-            if last[0] == "start":
-                last[0] = "done"
-                last.append(_mark())
-
-        return hook
-
-    def _record_span(self, module: Any, kind: str, edge: str) -> None:
-        """A mixer's forward span reported by a compiled layer (`FusedTransformerLayer`)."""
-        if edge == "start":
-            self._start(kind)(module, ())
-        else:
-            self._stop(kind)(module, (), None)
+        return lambda module, args, output: self._record_span(module, kind, "stop")
 
     # ------------------------------------------------------------------ results
     def collect(self) -> dict[str, float]:
