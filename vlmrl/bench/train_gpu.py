@@ -306,11 +306,9 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
     init_parallel_state(parallel, backend="nccl" if CUDA else "gloo", seed=0)
     dtype = torch.bfloat16 if CUDA else torch.float32
     if gdn_backend == "fla":
-        from ..models.gated_delta import check_fast_path
+        from ..models.gated_delta import check_model_fast_path
 
-        lm = mcfg.lm
-        worst = check_fast_path(torch.device(DEVICE), dtype, hk=lm.linear_num_key_heads, hv=lm.linear_num_value_heads,
-                                dk=lm.linear_key_head_dim, dv=lm.linear_value_head_dim)  # as the trainer checks
+        worst = check_model_fast_path(mcfg.lm, torch.device(DEVICE), dtype)  # as the trainer checks (one rank)
         print(f"fla Gated DeltaNet check vs torch: worst relative difference {worst:.2e}", flush=True)
     chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend="sdpa",
                          fused_kernels=fused, gdn_backend=gdn_backend)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -262,6 +263,15 @@ _CHECKED: dict[tuple, float] = {}
 # a few roundings per chunk, so 2e-2 admits bf16 noise and still flags a wrong kernel,
 # whose errors are O(1) relative (e.g. the known-wrong Triton backward on Hopper).
 FAST_PATH_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+
+
+def check_model_fast_path(lm: Any, device: torch.device, dtype: torch.dtype, split: int = 1) -> float:
+    """`check_fast_path` at one rank's Gated DeltaNet heads of language model `lm` (its
+    LanguageModelConfig; `split`: how many ways TP x CP divide the heads). FlashQLA's TileLang
+    kernels are JIT-compiled per head count, so the kernels compiled for the check are the
+    ones the model then runs, not a second set compiled at its first step."""
+    return check_fast_path(device, dtype, hk=lm.linear_num_key_heads // split, hv=lm.linear_num_value_heads // split,
+                           dk=lm.linear_key_head_dim, dv=lm.linear_value_head_dim, conv_k=lm.linear_conv_kernel_dim)
 
 
 def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv: int = 4, dk: int = 64,

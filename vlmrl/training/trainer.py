@@ -95,15 +95,10 @@ class MegatronTrainer:
         if self.cfg.hardware.gdn_backend != "fla" or "linear_attention" not in lm.layer_types:
             return
         from ..models import compat
-        from ..models.gated_delta import check_fast_path
+        from ..models.gated_delta import check_model_fast_path
 
-        # this rank's heads (TP shards them, CP splits them further): the kernels JIT-compiled
-        # for the check (FlashQLA's TileLang kernels are specialised on head counts) are then
-        # the ones the model runs, instead of a second set compiled at the first step
-        split = self.info.tp_size * self.info.cp_size
-        check_fast_path(compat.device(), self.dtype, hk=lm.linear_num_key_heads // split,
-                        hv=lm.linear_num_value_heads // split, dk=lm.linear_key_head_dim,
-                        dv=lm.linear_value_head_dim, conv_k=lm.linear_conv_kernel_dim)
+        # this rank's heads: TP shards them, CP splits them further
+        check_model_fast_path(lm, compat.device(), self.dtype, split=self.info.tp_size * self.info.cp_size)
 
     @property
     def chunks(self) -> list[Any]:
