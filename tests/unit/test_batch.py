@@ -60,6 +60,23 @@ def test_micro_batch_packs_per_token_targets():
     assert "old_logp" not in mb.extras
 
 
+def test_bucketed_micro_batch_keeps_every_per_sample_quantity():
+    """`hardware.cuda_graphs`' padding: same samples, targets and masks, same loss normalisers
+    in every aggregation mode (the padding joins the last sample, adds no sequence)."""
+    from vlmrl.algo.losses import AGG_MODES, loss_normaliser
+
+    samples = [TrainSample(list(range(10, 10 + n)), [0.0] * 3 + [1.0] * (n - 3)) for n in (40, 70, 25)]
+    plain = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2)
+    padded = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, bucket=True)
+    n = plain.packed.num_tokens
+    assert (n, padded.packed.num_tokens) == (135, 192) and padded.num_samples == 3
+    assert torch.equal(padded.targets[:n], plain.targets) and torch.equal(padded.loss_mask[:n], plain.loss_mask)
+    assert padded.loss_mask[n:].sum() == 0
+    for mode in AGG_MODES:
+        assert loss_normaliser(padded.loss_mask, padded.cu_seqlens, mode, 100) == \
+            loss_normaliser(plain.loss_mask, plain.cu_seqlens, mode, 100)
+
+
 def test_context_parallel_split_keeps_every_trained_token_once():
     samples = [sample(5, 6), sample(4, 7, offset=50)]
     whole = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2)

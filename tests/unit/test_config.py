@@ -134,6 +134,7 @@ INVALID = [
     (["model=tiny_qwen3_5", "model.family=qwen2_5_vl"], "model-family", "qwen3_5 or qwen3_5_moe"),
     (["model=tiny_qwen3_5_moe", "model.family=qwen3_5"], "model-family", "qwen3_5_moe"),
     (["hardware.gdn_backend=fla"], "hardware-gdn", "gdn_backend=torch"),
+    (["hardware.cuda_graphs=true"], "hardware-cuda-graphs", "hardware.cuda_graphs=false on CPU"),
     ([*REFERENCE, "parallel.pp=3"], "pp-layers", "num_layers=40"),
     (["hardware=h200"], "hardware-devices", "num_gpus >= 1"),
     (["cluster.num_gpus=2"], "hardware-devices", "must be 0"),
@@ -294,3 +295,17 @@ def test_cpu_threads_share_the_cores_among_concurrent_actors():
     assert cpu_threads(overlap, "trainer", 2) == 1  # never below one
     assert cpu_threads(load(["cluster.cpu_threads=3"]), "engine", 8) == 3
     assert cpu_threads(load(["experiment=geo3k_qwen35"]), "trainer", 8) is None  # GPUs: left alone
+
+
+def test_trainer_keeps_cuda_graphs_off_where_they_cannot_hold(capsys):
+    """`hardware.cuda_graphs` on the reference recipe's GPU hardware: on without recompute and
+    pipeline stages, off (and said) with either; the recipe itself recomputes (parallel=moe_ep8)."""
+    from vlmrl.training.trainer import cuda_graphs_in_training
+
+    base = [*REFERENCE, "hardware.cuda_graphs=true", "parallel.recompute_granularity=null"]
+    assert cuda_graphs_in_training(load(base))
+    assert not cuda_graphs_in_training(load([*base, "hardware.cuda_graphs=false"]))
+    assert not cuda_graphs_in_training(load([*base, "parallel.pp=2", "parallel.ep=4"]))
+    assert "pipeline parallel" in capsys.readouterr().out
+    assert not cuda_graphs_in_training(load([*REFERENCE, "hardware.cuda_graphs=true"]))
+    assert "activation recompute (full)" in capsys.readouterr().out

@@ -8,6 +8,7 @@ import torch
 from vlmrl.models.packing import (
     PackSample,
     cp_merge,
+    graph_bucket,
     mrope_position_ids,
     pack,
     split_for_cp,
@@ -104,6 +105,33 @@ def test_pack_pads_each_sample_to_multiple():
         pad_pos = p.position_ids[:, a + n:a + padded]
         assert (pad_pos[0] == pad_pos[1]).all() and (pad_pos[0] > p.position_ids[:, a:a + n].max()).all()
     assert [x.tolist() for x in unpack(p.input_ids, p)] == [s.input_ids.tolist() for s in samples]
+
+
+def test_graph_buckets_bound_padding_and_count():
+    sizes = range(1, 20000)
+    buckets = {n: graph_bucket(n) for n in sizes}
+    assert all(b >= n and b % 64 == 0 for n, b in buckets.items())
+    assert all(b - n < 64 or (b - n) / n <= 0.125 for n, b in buckets.items())  # 8 per doubling
+    assert len({b for n, b in buckets.items() if 2048 <= n <= 4096}) == 9  # 2048..4096 step 256
+    assert graph_bucket(4096) == 4096 and graph_bucket(4097) == 4608
+    assert graph_bucket(1000, multiple=6) % 6 == 0 and graph_bucket(1000, multiple=6) % 64 == 0
+    with pytest.raises(ValueError, match="per_octave"):
+        graph_bucket(100, per_octave=3)
+
+
+def test_pack_pad_to_pads_the_last_sample_only():
+    samples = [_sample(3, [[1, 4, 4]], 4, 0), _sample(2, [], 3, 1)]
+    plain = pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=2)
+    p = pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=2, pad_to=64)
+    assert p.num_tokens == 64 and p.seq_lens == plain.seq_lens and len(p.padded_lens) == 2
+    assert p.padded_lens[0] == plain.padded_lens[0] and p.padded_lens[1] == 64 - plain.padded_lens[0]
+    n = plain.num_tokens
+    assert torch.equal(p.input_ids[:n], plain.input_ids) and torch.equal(p.position_ids[:, :n], plain.position_ids)
+    assert torch.equal(p.loss_mask[:n], plain.loss_mask) and (p.loss_mask[n:] == 0).all()
+    with pytest.raises(ValueError, match="shorter than"):
+        pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_to=10)
+    with pytest.raises(ValueError, match="multiple"):
+        pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=4, pad_to=66)
 
 
 def test_image_token_count_mismatch_names_the_sample():

@@ -28,6 +28,10 @@ Variants (all on the same weights' shapes):
 - hf_qwen35_moe: transformers' `Qwen3_5MoeForCausalLM` (fla kernels when installed).
 - vlmrl_qwen35_moe: the bridge's Qwen3.5-MoE Megatron model as the GPU hardware configs
   build it (fused kernels, hardware.gdn_backend=fla after its check, grouped-GEMM experts).
+- a `_graphs` suffix on a vlmrl variant (`vlmrl_qwen35_moe_graphs`,
+  `vlmrl_megatron_fused_graphs`): the same model with `hardware.cuda_graphs=true`, built and
+  packed as the trainer does then (`build_model(cuda_graphs=True)`, the micro-batch padded to
+  its `graph_bucket`; 4096 tokens are a bucket already).
 """
 
 from __future__ import annotations
@@ -295,7 +299,7 @@ def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -
 
 
 def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: int,
-                fused: bool, gdn_backend: str = "torch") -> dict[str, Any]:
+                fused: bool, gdn_backend: str = "torch", cuda_graphs: bool = False) -> dict[str, Any]:
     from ..config.schema import ParallelConfig
     from ..models.bridge import build_model
     from ..training.batch import TrainSample, build_micro_batch
@@ -311,12 +315,12 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         worst = check_model_fast_path(mcfg.lm, torch.device(DEVICE), dtype)  # as the trainer checks (one rank)
         print(f"fla Gated DeltaNet check vs torch: worst relative difference {worst:.2e}", flush=True)
     chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend="sdpa",
-                         fused_kernels=fused, gdn_backend=gdn_backend)
+                         fused_kernels=fused, gdn_backend=gdn_backend, cuda_graphs=cuda_graphs)
     model = chunks[0].train()
     per = ids.numel() // samples
     batch = [TrainSample(input_ids=ids[i * per:(i + 1) * per].tolist(),
                          loss_mask=[0.0] + [1.0] * (per - 1)) for i in range(samples)]
-    mb = build_micro_batch(batch, image_token_id=mcfg.image_token_id, spatial_merge_size=2)
+    mb = build_micro_batch(batch, image_token_id=mcfg.image_token_id, spatial_merge_size=2, bucket=cuda_graphs)
     packed = mb.packed  # host-side, as the trainer passes it (the model moves what it needs)
     targets, mask = mb.targets.to(DEVICE), mb.loss_mask.to(DEVICE)
 
@@ -328,12 +332,18 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         model.zero_grad(set_to_none=True)
 
     r = timed(step, iters, warmup)
+    label = f"vlmrl (fused={fused}, cuda_graphs={cuda_graphs})"
+    if cuda_graphs and CUDA:
+        from ..models.kernels import cuda_graph_stats
+
+        r["cuda_graphs"] = cuda_graph_stats()
+        print(f"CUDA graph trees: {r['cuda_graphs']}", flush=True)
     if PROFILE_TOP:
-        profile(step, f"vlmrl (fused={fused})")
+        profile(step, label)
     if CPROFILE_TOP:
-        host_profile(step, f"vlmrl (fused={fused})")
+        host_profile(step, label)
     if SYNC_DEBUG and CUDA:
-        r["sync_points"] = sync_points(step, f"vlmrl (fused={fused})")
+        r["sync_points"] = sync_points(step, label)
     n = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
     destroy_parallel_state()
     return {**r, "params": n}
@@ -395,11 +405,12 @@ def main(argv: list[str] | None = None) -> int:
             r = bench_hf(mcfg, ids, args.iters, args.warmup)
         elif variant == "hf_qwen35_moe":
             r = bench_hf_qwen35_moe(mcfg, ids, args.iters, args.warmup)
-        elif variant == "vlmrl_qwen35_moe":
+        elif variant.startswith("vlmrl_qwen35_moe"):
             r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused=CUDA,
-                            gdn_backend=args.gdn_backend)
+                            gdn_backend=args.gdn_backend, cuda_graphs=variant.endswith("_graphs"))
         else:
-            r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused="fused" in variant)
+            r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused="fused" in variant,
+                            cuda_graphs=variant.endswith("_graphs"))
         med = statistics.median(r["times"])
         if args.shape == "qwen35_moe":
             fpt = flops_per_token_of(mcfg, args.seq)
@@ -413,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                      "params": r["params"],
                      "spread_s": [min(r["times"]), max(r["times"])],
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None,
-                     **({"sync_points": r["sync_points"]} if "sync_points" in r else {})})
+                     **{k: r[k] for k in ("sync_points", "cuda_graphs") if k in r}})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
               f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms) "
               f"peak {rows[-1]['peak_memory_gib'] or 0:.1f} GiB", flush=True)

@@ -187,6 +187,12 @@ class HardwareConfig(Sealable):
     # Gated DeltaNet layers: "torch" (chunked, float32 inside; runs everywhere) or "fla"
     # (flash-linear-attention / FlashQLA kernels; checked against torch before training)
     gdn_backend: str = "torch"
+    # Replay the language model's compiled layer graphs (and the MoE block) as CUDA graphs,
+    # forward and backward (torch's CUDA graph trees), with each micro-batch padded to one of
+    # a few token-count buckets (`vlmrl.models.packing.graph_bucket`) so that a run records a
+    # bounded number of graphs. Needs fused_kernels on a GPU; the trainer keeps it off where
+    # it cannot hold (pipeline parallel, activation recompute) and says so.
+    cuda_graphs: bool = False
 
 
 # --------------------------------------------------------------------------- data

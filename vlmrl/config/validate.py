@@ -166,6 +166,9 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if not on_gpu and hw.gdn_backend == "fla":
         fail("hardware-gdn", "hardware.gdn_backend=fla runs flash-linear-attention's GPU kernels: "
              "use hardware.gdn_backend=torch on CPU")
+    if hw.cuda_graphs and not (on_gpu and hw.fused_kernels):
+        fail("hardware-cuda-graphs", "hardware.cuda_graphs replays the compiled layers (hardware.fused_kernels=true) "
+             "on a GPU: set hardware.cuda_graphs=false" + ("" if on_gpu else " on CPU"))
     if not on_gpu and hw.vision_attn_implementation.startswith("flash_attention"):
         fail("hardware-attention", f"hardware.vision_attn_implementation={hw.vision_attn_implementation} "
              "needs a GPU: use sdpa on CPU")

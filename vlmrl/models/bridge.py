@@ -147,11 +147,13 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
                 attention_backend: str = "sdpa", vision_attn_implementation: str = "sdpa",
                 megatron_overrides: Mapping[str, Any] | None = None, num_layers: int | None = None,
                 hf_vision_config: Any = None, fused_kernels: bool = False, gdn_backend: str = "torch",
-                moe_aux_loss_coeff: float = 0.0) -> list[Any]:
+                moe_aux_loss_coeff: float = 0.0, cuda_graphs: bool = False) -> list[Any]:
     """This rank's model chunks (one per virtual pipeline stage), on the current device.
 
     Needs Megatron's parallel state (`vlmrl.training.parallel_state.init_parallel_state`).
-    `num_layers` truncates the language model (parity checks of big configs).
+    `num_layers` truncates the language model (parity checks of big configs). `cuda_graphs`
+    (with `fused_kernels`): the compiled layers replay as CUDA graphs in training
+    (`vlmrl.models.kernels.use_cuda_graphs`).
     """
     from megatron.core import parallel_state as mps
 
@@ -182,7 +184,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
             from .moe import use_local_dispatch
 
             use_local_dispatch(chunk, compiled=fused_kernels)
-        chunks.append(chunk.to(compat.device()))
+        chunk = chunk.to(compat.device())
+        if cuda_graphs and fused_kernels:
+            from .kernels import use_cuda_graphs
+
+            use_cuda_graphs(chunk)
+        chunks.append(chunk)
     return chunks
 
 

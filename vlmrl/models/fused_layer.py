@@ -123,11 +123,17 @@ class FusedTransformerLayer(TransformerLayer):
     layer reports the start and end of its mixer ("attention" or "gdn") through it, since the
     mixer module itself is not called (an MLP fused into the graph counts with the mixer)."""
 
+    cuda_graphs = False  # its graphs replayed as CUDA graphs (`kernels.use_cuda_graphs`)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.mixer_kind = self._fast_path_kind()
         self.fast_path = self.mixer_kind is not None
         self.fused_mlp = self.fast_path and self._dense_mlp()
+
+    @property
+    def graphs_eligible(self) -> bool:
+        return self.fast_path
 
     def _fast_path_kind(self) -> str | None:
         from megatron.core.transformer.attention import SelfAttention
@@ -203,16 +209,17 @@ class FusedTransformerLayer(TransformerLayer):
         def qk(n: Any) -> Norm | None:
             return (n.weight, n.eps, n.zero_centered) if isinstance(n, RMSNorm) else None
 
-        q, k, v, gate = fused(attention_in)(
+        q, k, v, gate = fused(attention_in, self.cuda_graphs)(
             h, norm1, attn.linear_qkv.weight, attn.linear_qkv.bias, qk(attn.q_layernorm), qk(attn.k_layernorm),
             p.rope_cos, p.rope_sin, c.num_attention_heads, c.num_query_groups, c.kv_channels, gated)
         ctx = attn.core_attention.attend(q, k, v, p)
-        return fused(attention_out)(ctx, gate, h, attn.linear_proj.weight, norm2, *fc)
+        return fused(attention_out, self.cuda_graphs)(ctx, gate, h, attn.linear_proj.weight, norm2, *fc)
 
     def _gdn(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
              fc: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor, Tensor | None]:
         m = self.self_attention
-        mixed, z, g, beta = fused(gdn_in)(h, norm1, m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
-                                          m.in_proj_a.weight, m.A_log, m.dt_bias)
+        mixed, z, g, beta = fused(gdn_in, self.cuda_graphs)(
+            h, norm1, m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, m.in_proj_a.weight, m.A_log,
+            m.dt_bias)
         o = m.recurrence(mixed, g, beta, p, m.conv1d.weight.squeeze(1), m.hk, m.hv)
-        return fused(gdn_out)(o, z, m.norm.weight, m.eps, h, m.out_proj.weight, norm2, *fc)
+        return fused(gdn_out, self.cuda_graphs)(o, z, m.norm.weight, m.eps, h, m.out_proj.weight, norm2, *fc)

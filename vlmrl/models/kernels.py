@@ -36,14 +36,27 @@ _MARKED_CALLS = 64
 
 
 @functools.cache
-def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The Inductor-compiled twin of a pure tensor function (one per process).
+def _compiled(fn: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True, dynamic=None, mode="reduce-overhead" if graphs else None)
+
+
+@functools.cache
+def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
+    """The Inductor-compiled twin of a pure tensor function (one per process and `graphs`).
 
     Its activations (tensor arguments that are not parameters) come in with their first dim,
     the packed token count, marked dynamic: the first compile is then the shape-generic one,
     where torch's automatic dynamic shapes would compile a static graph first and the generic
-    one again at the first new length, which in training is the second micro-batch."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=None)
+    one again at the first new length, which in training is the second micro-batch.
+
+    With `graphs` (`hardware.cuda_graphs`, see `use_cuda_graphs`) a call with autograd on
+    replays the graph's kernels, forward and backward, as CUDA graphs (torch's CUDA graph
+    trees: one recording per token count, which the trainer keeps to a few buckets); a call
+    without autograd (logprob passes, the no-grad forward of activation recompute) runs the
+    plain compiled kernels, since CUDA graph trees start a new generation, and so reuse the
+    outputs' memory, at every compiled call that has no backward pending."""
+    plain = _compiled(fn, False)
+    replayed = _compiled(fn, True) if graphs else plain
     calls = 0
 
     @functools.wraps(fn)
@@ -54,10 +67,44 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
             for a in args:
                 if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.dim():
                     torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args, **kwargs)
+        return (replayed if torch.is_grad_enabled() else plain)(*args, **kwargs)
 
     return run
 
 
+def use_cuda_graphs(model: torch.nn.Module) -> int:
+    """Let every module of `model` that runs compiled graphs through `fused(..., graphs)` (a
+    class attribute `cuda_graphs`) replay them as CUDA graphs; returns how many modules took it.
+
+    The parameters are marked as static addresses (without a guard, so one graph serves every
+    layer): CUDA graph trees then read the weights in place instead of copying them into the
+    graph's input buffers at every replay. Their storage must stay where it is (Megatron's DDP
+    buffers and optimizers update in place)."""
+    n = 0
+    for module in model.modules():
+        if hasattr(type(module), "cuda_graphs") and getattr(module, "graphs_eligible", True):
+            module.cuda_graphs = True
+            n += 1
+    if n:
+        for p in model.parameters():
+            torch._dynamo.mark_static_address(p, guard=False)
+    return n
+
+
 def pick(fn: Callable[..., Any], use_fused: bool) -> Callable[..., Any]:
     return fused(fn) if use_fused else fn
+
+
+def cuda_graph_stats(device_index: int = 0) -> dict[str, int]:
+    """What CUDA graph trees hold on this device: recorded graphs (tree nodes, forward and
+    backward) and the compiled calls that ran without a graph (skips, with torch's log of why)."""
+    from torch._dynamo.utils import counters
+
+    skips = int(counters["inductor"]["cudagraph_skips"])
+    if not torch.cuda.is_available():
+        return {"graphs": 0, "skips": skips}
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    graphs = 0 if manager is None else sum(1 + root.num_descendants() for root in manager.get_roots())
+    return {"graphs": graphs, "skips": skips}

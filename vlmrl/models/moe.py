@@ -272,6 +272,11 @@ class LocalMoELayer(MoELayer):
     forward hook."""
 
     compiled = False
+    cuda_graphs = False  # the compiled block replayed as CUDA graphs (`kernels.use_cuda_graphs`)
+
+    @property
+    def graphs_eligible(self) -> bool:
+        return self.compiled
 
     def forward(self, hidden_states: Tensor, intermediate_tensors: Any = None,
                 padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -280,7 +285,7 @@ class LocalMoELayer(MoELayer):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         shared = self.shared_experts
-        out, counts = fused(moe_forward)(
+        out, counts = fused(moe_forward, self.cuda_graphs)(
             x, self.router.weight, self.router.topk, self.experts.gate_up_proj, self.experts.down_proj,
             shared.linear_fc1.weight if shared is not None else None,
             shared.linear_fc2.weight if shared is not None else None,

@@ -20,6 +20,7 @@ local offsets are `cu_seqlens_padded // cp`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -138,16 +139,34 @@ def mrope_position_ids(input_ids: Tensor, image_grid_thw: Tensor | None, *, imag
     return out
 
 
+def graph_bucket(num_tokens: int, multiple: int = 1, per_octave: int = 8) -> int:
+    """The token count a packed micro-batch of `num_tokens` is padded to when its layers
+    replay CUDA graphs (`hardware.cuda_graphs`): the next multiple of 2^(k-3) for
+    2^k <= num_tokens < 2^(k+1) (`per_octave` = 8 buckets per doubling, at most 12.5% padding,
+    at least 64 tokens), and of `multiple` (the per-sample padding for CP / SP)."""
+    if num_tokens < 1 or multiple < 1 or per_octave < 1 or per_octave & (per_octave - 1):
+        raise ValueError(f"graph_bucket({num_tokens}, multiple={multiple}, per_octave={per_octave}): "
+                         "needs positive sizes and a power-of-two per_octave")
+    step = max(64, (1 << (num_tokens.bit_length() - 1)) // per_octave)
+    step = step * multiple // math.gcd(step, multiple)
+    return -(-num_tokens // step) * step
+
+
 def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_size: int,
-         pad_multiple: int = 1, pad_token_id: int = 0) -> PackedSequence:
+         pad_multiple: int = 1, pad_token_id: int = 0, pad_to: int | None = None) -> PackedSequence:
     """Concatenate samples into one THD sequence with per-sample M-RoPE positions.
 
     With `pad_multiple > 1` each sample is padded at its end to a multiple of it (pad
     tokens: `pad_token_id`, loss mask 0, text positions continuing the sample's). Causal
-    attention keeps real tokens blind to their sample's padding.
+    attention keeps real tokens blind to their sample's padding. `pad_to` (a multiple of
+    `pad_multiple`, at least the packed length) pads the last sample further so that the
+    sequence has exactly that many tokens (`graph_bucket`); the number of samples, and so
+    every per-sample normaliser, stays the same.
     """
     if not samples:
         raise ValueError("pack needs at least one sample")
+    if pad_to is not None and pad_to % pad_multiple:
+        raise ValueError(f"pad_to={pad_to} is not a multiple of pad_multiple={pad_multiple}")
     ids_l, pos_l, mask_l, grids_l = [], [], [], []
     seq_lens, padded_lens, n_images, n_image_tokens = [], [], [], []
     for i, s in enumerate(samples):
@@ -163,6 +182,11 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         if mask.shape[0] != n:
             raise ValueError(f"sample {i}: loss_mask has {mask.shape[0]} entries for {n} tokens")
         padded = -(-n // pad_multiple) * pad_multiple
+        if pad_to is not None and i == len(samples) - 1:
+            padded_before = sum(padded_lens)
+            if padded_before + padded > pad_to:
+                raise ValueError(f"pad_to={pad_to} is shorter than the {padded_before + padded} packed tokens")
+            padded = pad_to - padded_before
         if padded > n:
             extra = padded - n
             ids = torch.cat([ids, torch.full((extra,), pad_token_id, dtype=torch.long)])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..models.packing import PackedSequence, PackSample, pack, split_for_cp
+from ..models.packing import PackedSequence, PackSample, graph_bucket, pack, split_for_cp
 
 
 @dataclass
@@ -126,16 +126,22 @@ def micro_batches(lengths: Sequence[int], *, max_tokens: int | None, micro_batch
 
 
 def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, spatial_merge_size: int,
-                      cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, pad_token_id: int = 0) -> MicroBatch:
+                      cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, pad_token_id: int = 0,
+                      bucket: bool = False) -> MicroBatch:
     """Pack `samples` (the whole micro-batch) and keep this CP rank's share.
 
     Each sample is padded to a multiple of 2*cp (zigzag chunks) times the sequence-parallel
-    size (the sequence is split evenly over TP ranks); padding is masked out of the loss."""
+    size (the sequence is split evenly over TP ranks); padding is masked out of the loss.
+    With `bucket` (CUDA graphs) the last sample is padded further, to the token count
+    `graph_bucket` gives."""
     parts = [shifted(s) for s in samples]
     multiple = (2 * cp_size if cp_size > 1 else 1) * sp_size
+    pad_to = None
+    if bucket:
+        pad_to = graph_bucket(sum(-(-s.num_tokens // multiple) * multiple for s in samples), multiple)
     whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw) for s, p in zip(samples, parts)],
                  image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
-                 pad_multiple=multiple, pad_token_id=pad_token_id)
+                 pad_multiple=multiple, pad_token_id=pad_token_id, pad_to=pad_to)
     total = whole.num_tokens
     targets = torch.zeros(total, dtype=torch.long)
     adv, lp, old = torch.zeros(total), torch.zeros(total), torch.zeros(total)

@@ -38,6 +38,22 @@ def _detached(v: Any) -> Any:
     return v.detach() if isinstance(v, Tensor) else v
 
 
+def cuda_graphs_in_training(cfg: VlmrlConfig) -> bool:
+    """Whether this run's trainer replays its compiled layers as CUDA graphs
+    (`hardware.cuda_graphs`). Off, with the reason printed, where CUDA graph trees cannot
+    hold the activations of a micro-batch until its backward: pipeline parallelism (several
+    micro-batches in flight) and activation recompute (forwards inside the backward)."""
+    hw, p = cfg.hardware, cfg.parallel
+    if not (hw.cuda_graphs and hw.fused_kernels and hw.device == "cuda"):
+        return False
+    why = ("pipeline parallel" if p.pp > 1 or p.vpp else
+           f"activation recompute ({p.recompute_granularity})" if p.recompute_granularity else None)
+    if why:
+        print(f"hardware.cuda_graphs: off in this run, {why}; the compiled layers run without CUDA graphs", flush=True)
+        return False
+    return True
+
+
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
@@ -52,13 +68,14 @@ class MegatronTrainer:
         self.model_cfg = cfg.model
         self.info = init_parallel_state(cfg.parallel, backend=cfg.hardware.dist_backend, seed=cfg.seed)
         self.dtype = DTYPES[cfg.hardware.train_dtype]
+        self.cuda_graphs = cuda_graphs_in_training(cfg)
         overrides = {"calculate_per_token_loss": True, **dict(cfg.trainer.megatron)}
         build = partial(build_model, cfg.model, cfg.parallel, params_dtype=self.dtype,
                         attention_backend=cfg.hardware.lm_attention_backend,
                         vision_attn_implementation=cfg.hardware.vision_attn_implementation,
                         fused_kernels=cfg.hardware.fused_kernels, gdn_backend=cfg.hardware.gdn_backend,
                         moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff, megatron_overrides=overrides)
-        chunks = build()
+        chunks = build(cuda_graphs=self.cuda_graphs)
         self._check_gdn_fast_path()
         adapters.load_hf_weights(chunks, cfg.model, model_path)
         self.ref_chunks = None
@@ -150,7 +167,8 @@ class MegatronTrainer:
         p, m = self.cfg.parallel, self.model_cfg
         return [build_micro_batch([samples[i] for i in g], image_token_id=m.image_token_id,
                                   spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
-                                  cp_rank=self.info.cp_rank, sp_size=self.info.tp_size if p.sequence_parallel else 1)
+                                  cp_rank=self.info.cp_rank, sp_size=self.info.tp_size if p.sequence_parallel else 1,
+                                  bucket=self.cuda_graphs)
                 for g in (groups if groups is not None else self._groups(samples))]
 
     def _vocab_start(self, logits: Tensor) -> int:
