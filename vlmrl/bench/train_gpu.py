@@ -302,6 +302,7 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
                 fused: bool, gdn_backend: str = "torch", cuda_graphs: bool = False) -> dict[str, Any]:
     from ..config.schema import ParallelConfig
     from ..models.bridge import build_model
+    from ..models.kernels import begin_graph_step
     from ..training.batch import TrainSample, build_micro_batch
     from ..training.logprobs import logprobs_and_entropy
     from ..training.parallel_state import destroy_parallel_state, init_parallel_state
@@ -325,6 +326,8 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
     targets, mask = mb.targets.to(DEVICE), mb.loss_mask.to(DEVICE)
 
     def step() -> None:
+        if cuda_graphs:
+            begin_graph_step()
         logits = model(packed)
         logp, _ = logprobs_and_entropy(logits, targets, with_entropy=False, fused=fused)
         loss = -(logp * mask).sum() / mask.sum()

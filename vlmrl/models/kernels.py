@@ -54,7 +54,8 @@ def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
     trees: one recording per token count, which the trainer keeps to a few buckets); a call
     without autograd (logprob passes, the no-grad forward of activation recompute) runs the
     plain compiled kernels, since CUDA graph trees start a new generation, and so reuse the
-    outputs' memory, at every compiled call that has no backward pending."""
+    outputs' memory, at every compiled call that has no backward pending. The caller marks
+    each micro-batch's start with `begin_graph_step`."""
     plain = _compiled(fn, False)
     replayed = _compiled(fn, True) if graphs else plain
     calls = 0
@@ -70,6 +71,17 @@ def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
         return (replayed if torch.is_grad_enabled() else plain)(*args, **kwargs)
 
     return run
+
+
+def begin_graph_step() -> None:
+    """Mark the start of a micro-batch's forward for CUDA graph trees (with `graphs`).
+
+    Once marked by hand, a new generation (whose replays reuse the memory of the last
+    generation's outputs) starts only here. Left to its own heuristic, torch starts one at any
+    torch.compile'd call made after the first compiled backward has run, and libraries call
+    such functions inside the backward (FlashQLA's l2norm): the activations that the rest of
+    the backward still needs would be overwritten."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def use_cuda_graphs(model: torch.nn.Module) -> int:

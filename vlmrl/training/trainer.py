@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..algo import losses
 from ..config.schema import VlmrlConfig
+from ..models.kernels import begin_graph_step
 from .batch import MicroBatch, TrainSample, build_micro_batch, micro_batches
 from .logprobs import logprobs_and_entropy
 
@@ -191,6 +192,8 @@ class MegatronTrainer:
 
         def forward_step(data_iterator: Iterator[MicroBatch], chunk: Any) -> tuple[Tensor, Any]:
             mb = next(data_iterator)
+            if self.cuda_graphs and not forward_only:
+                begin_graph_step()
             return chunk(mb.packed, mb.pixel_values), partial(loss_fn, mb)
 
         iters: Any = iter(mbs)
