@@ -108,11 +108,11 @@ def test_gated_norm_matches_transformers():
 def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     """The GPU fast path is compared with the torch path before use: a kernel whose output
     or gradients disagree is refused with an error that names what differs."""
-    def wrong_rule(q, k, v, g, beta, cu):
+    def wrong_rule(q, k, v, g, beta, cu, cu_host=None):
         bounds = [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
         return gd.chunk_gated_delta_rule(q, k, v, g * 0.5, beta, bounds)
 
-    def torch_conv(x, w, cu):
+    def torch_conv(x, w, cu, cu_host=None):
         return gd.causal_conv1d(x, w, [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
 
     monkeypatch.setattr(gd, "fla_causal_conv1d", torch_conv)
@@ -121,7 +121,7 @@ def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     with pytest.raises(gd.FastPathError, match="output differs"):
         gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16)
 
-    def right_rule(q, k, v, g, beta, cu):
+    def right_rule(q, k, v, g, beta, cu, cu_host=None):
         return gd.chunk_gated_delta_rule(q, k, v, g, beta, [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
 
     monkeypatch.setattr(gd, "fla_gated_delta_rule", right_rule)

@@ -244,12 +244,28 @@ def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     (value heads grouped over key heads natively: fla's GVA); cu_seqlens_cpu as in
     `fla_causal_conv1d`."""
     _, fla_rule = _fla()
+    if cu_seqlens_cpu is not None:
+        _flash_qla_chunks(cu_seqlens, cu_seqlens_cpu)
     q, k, v = (t.contiguous() for t in (q, k, v))
     o, _ = fla_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=None,
                     output_final_state=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                     use_qk_l2norm_in_kernel=True)
     return o.squeeze(0)
+
+
+def _flash_qla_chunks(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor) -> None:
+    """Where fla runs FlashQLA (Hopper): hand FlashQLA its chunk offsets and indices, built
+    from the host offsets, on the device offsets tensor (`prepare_varlen_metadata`): fla does
+    not pass the host offsets on, and FlashQLA would read them back from the GPU, a host sync
+    per packed layout. Once per tensor; nothing to do without FlashQLA."""
+    if getattr(cu_seqlens, "_flash_qla_prepared_varlen", None) is not None:
+        return
+    try:
+        from flash_qla.utils.index import prepare_varlen_metadata
+    except ImportError:
+        return
+    prepare_varlen_metadata(cu_seqlens, cu_seqlens_cpu)
 
 
 def cu_seqlens_of(bounds: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
@@ -300,18 +316,18 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
     for n in lens:
         offsets.append(offsets[-1] + n)
     bounds = segment_bounds(offsets[:-1], total)
-    cu = cu_seqlens_of(bounds, device)
+    cu, cu_host = cu_seqlens_of(bounds, device), cu_seqlens_of(bounds, torch.device("cpu"))
     grad_out = rnd(total, hv, dv)
 
     def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
         leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
-        mixed = fla_causal_conv1d(xx, ww, cu) if fast else causal_conv1d(xx, ww, bounds)
+        mixed = fla_causal_conv1d(xx, ww, cu, cu_host) if fast else causal_conv1d(xx, ww, bounds)
         qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)
         q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
         v = vv.reshape(total, hv, dv)
         g, beta = decay_and_beta(aa, bb, a_log, dt_bias)
-        o = (fla_gated_delta_rule(q, k, v, g, beta, cu) if fast
+        o = (fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host) if fast
              else chunk_gated_delta_rule(q, k, v, g, beta, bounds))
         o.float().backward(grad_out.float())
         return o.detach().float(), [t.grad.detach().float() for t in leaves]
