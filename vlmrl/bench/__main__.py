@@ -27,9 +27,9 @@ def main(argv: list[str]) -> int:
     rc |= rollout.main(["--batch-size", "64", "--max-new-tokens", "64", "--device", "cpu", "--repeats", "3"])
     if torch.cuda.is_available():
         rc |= train_gpu.main(["--seq", "4096", "--iters", "20", "--warmup", "5",
-                              "--variants", "hf_sdpa,vlmrl_megatron_fused,hf_sdpa,vlmrl_megatron_fused"])
+                              "--variants", "hf_sdpa,vlmrl_megatron_fused_graphs,hf_sdpa,vlmrl_megatron_fused_graphs"])
         rc |= train_gpu.main(["--shape", "qwen35_moe", "--samples", "8", "--iters", "10", "--warmup", "3",
-                              "--variants", "hf_qwen35_moe,vlmrl_qwen35_moe,hf_qwen35_moe,vlmrl_qwen35_moe"])
+                              "--variants", "hf_qwen35_moe,vlmrl_qwen35_moe_graphs,hf_qwen35_moe,vlmrl_qwen35_moe_graphs"])
         for model in ("dense", "qwen35_moe"):
             rc |= weight_sync.main(["--model", model, "--device", "cuda"])
         rc |= trainer_steps.main(["--model", "qwen35_moe", "--device", "cuda"])

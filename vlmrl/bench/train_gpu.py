@@ -26,12 +26,14 @@ Variants (all on the same weights' shapes):
   configs' setting): Inductor-compiled RMSNorm, M-RoPE and log-softmax
   (`vlmrl.models.kernels`) and megatron-core's compiled SwiGLU.
 - hf_qwen35_moe: transformers' `Qwen3_5MoeForCausalLM` (fla kernels when installed).
-- vlmrl_qwen35_moe: the bridge's Qwen3.5-MoE Megatron model as the GPU hardware configs
-  build it (fused kernels, hardware.gdn_backend=fla after its check, grouped-GEMM experts).
+- vlmrl_qwen35_moe: the bridge's Qwen3.5-MoE Megatron model with fused kernels,
+  hardware.gdn_backend=fla after its check, grouped-GEMM experts.
 - a `_graphs` suffix on a vlmrl variant (`vlmrl_qwen35_moe_graphs`,
-  `vlmrl_megatron_fused_graphs`): the same model with `hardware.cuda_graphs=true`, built and
-  packed as the trainer does then (`build_model(cuda_graphs=True)`, the micro-batch padded to
-  its `graph_bucket`; 4096 tokens are a bucket already).
+  `vlmrl_megatron_fused_graphs`): the same model with `hardware.cuda_graphs=true`, built,
+  packed and stepped as the trainer does then (`build_model(cuda_graphs=True)`, the
+  micro-batch padded to its `graph_bucket` (4096 tokens are a bucket already),
+  `begin_graph_step` before each forward). These are what the GPU hardware configs train,
+  and what `make bench` pairs with HF.
 """
 
 from __future__ import annotations
