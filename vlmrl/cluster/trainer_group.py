@@ -89,7 +89,8 @@ class TrainerWorker:
         own copy of each bucket (one CUDA IPC handle to a flattened copy on its GPU; host bytes
         on CPU), rank 0 gathers them and posts each engine one payload per TP rank, from the trainer rank on
         that rank's device (/update_weights_from_tensor); every rank keeps its bucket alive
-        until the engines have read it. Separate devices: rank 0 and every engine rank form a
+        until the engines have read it. The engines load one bucket while the ranks prepare the
+        next (two buckets' copies alive at most). Separate devices: rank 0 and every engine rank form a
         broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
         (/update_weights_from_distributed). The last bucket flushes the engines' caches and
         carries `weight_version`, which the engines report with every later sample.
@@ -136,35 +137,67 @@ class TrainerWorker:
             clock = now
 
         buckets = 0
-        for bucket, last in wt.with_last(self.trainer.iter_hf_weights(bucket_bytes)):
-            lap("gather_convert")
-            buckets += 1
-            version = weight_version if last else None
-            if colocate:
-                alive: list[Any] = []  # this rank's flattened copy, until the barrier below
-                mine = wt.serialize_payload(bucket, fmt, keep=alive) if self.rank in senders else None
-                per_engine = wt.gather_rank_payloads(mine, sources)
-                lap("serialize")
-                if per_engine is not None:  # rank 0
-                    async def post(per_engine: list[list[str]] = per_engine, last: bool = last,
-                                   version: str | None = version) -> None:
-                        await asyncio.gather(*(e.update_weights_from_serialized(payloads, flush_cache=last,
-                                                                                weight_version=version)
-                                               for e, payloads in zip(self._http, per_engine)))
+        # colocated: the engines load bucket k while the ranks convert and flatten bucket k+1
+        # (rank 0 posts from a helper thread); before bucket k+1 is posted, the engines must
+        # have answered for bucket k (order: the last bucket flushes and carries the version),
+        # and only then may the ranks drop their copies of bucket k (the barrier)
+        inflight: tuple[Any, list[Any]] | None = None  # (rank 0's post, this rank's copies)
 
-                    self._loop.run_until_complete(post())
-                lap("engines")
-                dist.barrier()  # the engines have read every rank's copy: the bucket may go
-                del alive
-                lap("barrier")
-            elif self.rank == 0:
-                self._loop.run_until_complete(wt.update_weights_distributed(
-                    self._http, self._group, bucket, bucket_bytes=None, weight_version=version, final=last))
-                lap("engines")
-            if self.rank == 0:
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        def settle() -> None:
+            nonlocal inflight
+            if inflight is None:
+                return
+            post, alive = inflight
+            inflight = None
+            if post is not None:
+                post.result()
+            lap("engines")
+            dist.barrier()  # the engines have read every rank's copy: the bucket may go
+            alive.clear()
+            lap("barrier")
+
+        try:
+            for bucket, last in wt.with_last(self.trainer.iter_hf_weights(bucket_bytes)):
+                lap("gather_convert")
+                buckets += 1
+                version = weight_version if last else None
+                if colocate:
+                    alive: list[Any] = []  # this rank's flattened copy, until the engines have read it
+                    mine = wt.serialize_payload(bucket, fmt, keep=alive) if self.rank in senders else None
+                    per_engine = wt.gather_rank_payloads(mine, sources)
+                    lap("serialize")
+                    settle()
+                    post = None
+                    if per_engine is not None:  # rank 0
+                        async def send(per_engine: list[list[str]] = per_engine, last: bool = last,
+                                       version: str | None = version) -> None:
+                            await asyncio.gather(*(e.update_weights_from_serialized(
+                                payloads, flush_cache=last, weight_version=version)
+                                for e, payloads in zip(self._http, per_engine)))
+
+                        post = self._poster().submit(self._loop.run_until_complete, send())
+                    inflight = (post, alive)
+                elif self.rank == 0:
+                    self._loop.run_until_complete(wt.update_weights_distributed(
+                        self._http, self._group, bucket, bucket_bytes=None, weight_version=version, final=last))
+                    lap("engines")
+                if self.rank == 0:
+                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            settle()
+        finally:
+            if inflight is not None and inflight[0] is not None:  # failed mid-sync: let the post end first
+                inflight[0].exception()
         self.last_sync_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": buckets}
         return sent
+
+    def _poster(self) -> Any:
+        """Rank 0's one helper thread that runs the engines' posts (the event loop of
+        `_sync_http`, never run by two threads at once: each sync waits for its last post)."""
+        if getattr(self, "_post_thread", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._post_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-post")
+        return self._post_thread
 
     def _drop_engine_links(self) -> None:
         """Forget the engines' clients and leave the broadcast group (best effort on engines
