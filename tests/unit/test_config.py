@@ -299,13 +299,17 @@ def test_cpu_threads_share_the_cores_among_concurrent_actors():
 
 def test_trainer_keeps_cuda_graphs_off_where_they_cannot_hold(capsys):
     """`hardware.cuda_graphs` on the reference recipe's GPU hardware: on without recompute and
-    pipeline stages, off (and said) with either; the recipe itself recomputes (parallel=moe_ep8)."""
+    pipeline stages at TP 1, off (and said) otherwise; the recipe itself runs TP 2 with full
+    recompute (parallel=moe_ep8)."""
     from vlmrl.training.trainer import cuda_graphs_in_training
 
-    base = [*REFERENCE, "hardware.cuda_graphs=true", "parallel.recompute_granularity=null"]
+    base = [*REFERENCE, "hardware.cuda_graphs=true", "parallel.recompute_granularity=null", "parallel.tp=1",
+            "parallel.sequence_parallel=false"]
     assert cuda_graphs_in_training(load(base))
     assert not cuda_graphs_in_training(load([*base, "hardware.cuda_graphs=false"]))
     assert not cuda_graphs_in_training(load([*base, "parallel.pp=2", "parallel.ep=4"]))
     assert "pipeline parallel" in capsys.readouterr().out
+    assert not cuda_graphs_in_training(load([*base, "parallel.tp=2", "parallel.sequence_parallel=true"]))
+    assert "tensor parallel" in capsys.readouterr().out
     assert not cuda_graphs_in_training(load([*REFERENCE, "hardware.cuda_graphs=true"]))
     assert "activation recompute (full)" in capsys.readouterr().out

@@ -191,7 +191,7 @@ class HardwareConfig(Sealable):
     # forward and backward (torch's CUDA graph trees), with each micro-batch padded to one of
     # a few token-count buckets (`vlmrl.models.packing.graph_bucket`) so that a run records a
     # bounded number of graphs. Needs fused_kernels on a GPU; the trainer keeps it off where
-    # it cannot hold (pipeline parallel, activation recompute) and says so.
+    # it cannot hold or does nothing (pipeline / tensor parallel, activation recompute) and says so.
     cuda_graphs: bool = False
 
 

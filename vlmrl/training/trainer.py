@@ -43,12 +43,14 @@ def cuda_graphs_in_training(cfg: VlmrlConfig) -> bool:
     """Whether this run's trainer replays its compiled layers as CUDA graphs
     (`hardware.cuda_graphs`). Off, with the reason printed, where CUDA graph trees cannot
     hold the activations of a micro-batch until its backward: pipeline parallelism (several
-    micro-batches in flight) and activation recompute (forwards inside the backward)."""
+    micro-batches in flight) and activation recompute (forwards inside the backward); and
+    under tensor parallelism, whose layers never take the compiled fast path."""
     hw, p = cfg.hardware, cfg.parallel
     if not (hw.cuda_graphs and hw.fused_kernels and hw.device == "cuda"):
         return False
     why = ("pipeline parallel" if p.pp > 1 or p.vpp else
-           f"activation recompute ({p.recompute_granularity})" if p.recompute_granularity else None)
+           f"activation recompute ({p.recompute_granularity})" if p.recompute_granularity else
+           "tensor parallel (its layers run Megatron's own forward, not the compiled graphs)" if p.tp > 1 else None)
     if why:
         print(f"hardware.cuda_graphs: off in this run, {why}; the compiled layers run without CUDA graphs", flush=True)
         return False
