@@ -11,8 +11,9 @@ kernels compile on first use; after that a step costs what it costs.
     python -m vlmrl.bench.trainer_steps --model qwen35_moe --steps 12 --out $OUT     (GPU)
     python -m vlmrl.bench.trainer_steps --model tiny --device cpu --steps 4          (CPU: the script's own check)
 
-Reports per step: wall seconds, tokens, tokens/s and the number of graphs Dynamo has compiled
-so far; then warm-up seconds = sum over steps of (step time - steady step time per token x
+Reports per step: wall seconds, tokens, tokens/s, the number of graphs Dynamo has compiled
+so far and, with `hardware.cuda_graphs`, the CUDA graphs recorded so far (one set per token
+bucket: recording is warm-up too); then warm-up seconds = sum over steps of (step time - steady step time per token x
 step tokens), the steady rate being the median tokens/s of the second half of the steps.
 """
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..cluster.trainer_group import TrainerWorker, _free_port
     from ..config import load
+    from ..models.kernels import cuda_graph_stats
     from .weight_sync import trainer_overrides, write_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="vlmrl-steps-"))
@@ -88,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             sec = time.perf_counter() - t
+            replays = cuda_graph_stats() if trainer.cuda_graphs else None
             rows.append({"step": step, "seconds": sec, "tokens": tokens, "tokens_per_s": tokens / sec,
                          "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
-                         "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")})
+                         "cuda_graphs": replays, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")})
             print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
-                  f"graphs {rows[-1]['graphs_compiled']}", flush=True)
+                  f"graphs {rows[-1]['graphs_compiled']}"
+                  + (f"  CUDA graphs recorded {replays['graphs']}" if replays else ""), flush=True)
         steady = statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 2:])
         warmup = sum(max(r["seconds"] - r["tokens"] / steady, 0.0) for r in rows)
         result = {
