@@ -52,8 +52,7 @@ def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
     With `graphs` (`hardware.cuda_graphs`, see `use_cuda_graphs`) a call with autograd on
     replays the graph's kernels, forward and backward, as CUDA graphs (torch's CUDA graph
     trees: one recording per token count, which the trainer keeps to a few buckets); a call
-    without autograd (logprob passes, the no-grad forward of activation recompute) runs the
-    plain compiled kernels, since CUDA graph trees start a new generation, and so reuse the
+    without autograd (the logprob passes) runs the plain compiled kernels, since CUDA graph trees start a new generation, and so reuse the
     outputs' memory, at every compiled call that has no backward pending. The caller marks
     each micro-batch's start with `begin_graph_step`."""
     plain = _compiled(fn, False)
