@@ -46,6 +46,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (the packed layout, its offsets) on `device`. To a GPU through pinned
+    memory and without blocking: a plain copy from pageable memory waits for the GPU to finish
+    its queue (the previous micro-batch's backward), so the host could not run ahead."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class CpuRNGStatesTracker:
     """Megatron's CudaRNGStatesTracker with CPU generator states instead of CUDA ones.
 

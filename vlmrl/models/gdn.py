@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import Tensor
 
+from . import compat
 from . import gated_delta as gd
 from .attention import VLPackedSeqParams
 from .kernels import pick
@@ -175,7 +176,7 @@ class GatedDeltaNet(MegatronModule):
             cu, cu_host = p._cache.get("gdn_cu") or (None, None)
             if cu is None:
                 cu_host = gd.cu_seqlens_of(bounds, torch.device("cpu"))
-                cu = cu_host.to(mixed.device, non_blocking=True)
+                cu = compat.to_device(cu_host, mixed.device)
                 p._cache["gdn_cu"] = (cu, cu_host)
             mixed = gd.fla_causal_conv1d(mixed, conv_w, cu, cu_host)
         else:

@@ -40,7 +40,6 @@ def _compiled(fn: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
     return torch.compile(fn, fullgraph=True, dynamic=None, mode="reduce-overhead" if graphs else None)
 
 
-@functools.cache
 def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
     """The Inductor-compiled twin of a pure tensor function (one per process and `graphs`).
 
@@ -52,9 +51,16 @@ def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
     With `graphs` (`hardware.cuda_graphs`, see `use_cuda_graphs`) a call with autograd on
     replays the graph's kernels, forward and backward, as CUDA graphs (torch's CUDA graph
     trees: one recording per token count, which the trainer keeps to a few buckets); a call
-    without autograd (the logprob passes) runs the plain compiled kernels, since CUDA graph trees start a new generation, and so reuse the
-    outputs' memory, at every compiled call that has no backward pending. The caller marks
-    each micro-batch's start with `begin_graph_step`."""
+    without autograd (the logprob passes) runs the plain compiled kernels, since CUDA graph
+    trees start a new generation, and so reuse the outputs' memory, at every compiled call
+    that has no backward pending. The caller marks each micro-batch's start with
+    `begin_graph_step`."""
+    return _twin(fn, bool(graphs))
+
+
+@functools.cache
+def _twin(fn: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
+    """`fused`'s wrapper, one per (fn, graphs) however `fused` was called."""
     plain = _compiled(fn, False)
     replayed = _compiled(fn, True) if graphs else plain
     calls = 0

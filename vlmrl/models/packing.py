@@ -148,7 +148,7 @@ def graph_bucket(num_tokens: int, multiple: int = 1, per_octave: int = 8) -> int
         raise ValueError(f"graph_bucket({num_tokens}, multiple={multiple}, per_octave={per_octave}): "
                          "needs positive sizes and a power-of-two per_octave")
     step = max(64, (1 << (num_tokens.bit_length() - 1)) // per_octave)
-    step = step * multiple // math.gcd(step, multiple)
+    step = math.lcm(step, multiple)
     return -(-num_tokens // step) * step
 
 

@@ -27,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from . import compat
 from .attention import VLPackedSeqParams
 from .mrope import MRopeSpec, mrope_cos_sin
 from .packing import PackedSequence, check_image_tokens
@@ -87,9 +88,9 @@ class QwenVLModel(MegatronModule):
 
     def packed_seq_params(self, packed: PackedSequence, device: torch.device) -> VLPackedSeqParams:
         # computed in float32, then cast once to the activations' dtype (as HF does)
-        cos, sin = mrope_cos_sin(to_device(packed.position_ids, device), self.rope, dtype=self.config.params_dtype)
-        cu = to_device(packed.cu_seqlens.to(torch.int32), device)
-        cu_padded = to_device(packed.cu_seqlens_padded.to(torch.int32), device)
+        cos, sin = mrope_cos_sin(compat.to_device(packed.position_ids, device), self.rope, dtype=self.config.params_dtype)
+        cu = compat.to_device(packed.cu_seqlens.to(torch.int32), device)
+        cu_padded = compat.to_device(packed.cu_seqlens_padded.to(torch.int32), device)
         cp_group = None
         if packed.cp_size > 1:
             from megatron.core import parallel_state
@@ -105,7 +106,7 @@ class QwenVLModel(MegatronModule):
     def embed(self, packed: PackedSequence, pixel_values: Tensor | None, device: torch.device) -> Tensor:
         """Token embeddings [T, 1, hidden] with image features in the placeholder rows."""
         n_here = int((packed.input_ids == packed.image_token_id).sum())  # host side: no device sync
-        input_ids = to_device(packed.input_ids, device)
+        input_ids = compat.to_device(packed.input_ids, device)
         emb = self.language_model.embedding(input_ids=input_ids.unsqueeze(0), position_ids=None)
         is_image = input_ids == packed.image_token_id
         if packed.cp_size == 1:
@@ -151,15 +152,6 @@ def build_vision_tower(hf_vision_config: Any, attn_implementation: str, dtype: t
         raise ValueError("build_vision_tower needs the vision tower class of the model's family")
     hf_vision_config._attn_implementation = attn_implementation
     return cls._from_config(hf_vision_config, dtype=dtype)
-
-
-def to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor of the packed layout on `device`. To a GPU through pinned memory and
-    without blocking: a plain copy from pageable memory waits for the GPU to finish its queue
-    (the previous micro-batch's backward), so the host could not run ahead."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
