@@ -39,6 +39,78 @@ def test_fla_gated_delta_matches_torch_at_the_recipe_head_sizes():
     assert worst <= gd.FAST_PATH_TOL[torch.bfloat16]
 
 
+def test_gated_delta_offsets_from_the_host_match_fla_and_read_nothing_back():
+    """`PackedOffsets` hands fla's convolution its chunk tiling and FlashQLA its split context,
+    both built on the host. The results equal fla's own path (which derives them from the
+    device offsets: the same kernels, the same split), forward and backward, for a layout of
+    short samples and one whose long sample FlashQLA splits across SMs (intra-card CP); and
+    a step over a fresh layout makes no host sync at all."""
+    pytest.importorskip("fla")
+    pytest.importorskip("flash_qla")
+    from fla.ops.utils import prepare_chunk_indices
+    from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE, _auto_intra_cp_context
+
+    from vlmrl.models import gated_delta as gd
+
+    assert gd._flash_qla_backend() is not None
+    dev, hk, hv, d = torch.device("cuda"), 2, 4, 128
+    fla_conv, fla_rule = gd._fla()
+
+    def inputs(total: int, seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        shapes = [(total, 2 * hk * d + hv * d), (2 * hk * d + hv * d, 4), (total, hv), (total, hv), (total, hv, d)]
+        return [(torch.randn(*s, generator=gen) * (0.5 if i == 1 else 1.0)).to(dev, torch.bfloat16) for i, s in enumerate(shapes)]
+
+    def step(tensors: list[torch.Tensor], offsets, ours: bool) -> list[torch.Tensor]:
+        """Conv + rule forward and backward: ours on `offsets`, or fla's own path on a plain
+        copy of the device offsets (nothing of ours attached to it)."""
+        x, w, a, b, grad = tensors
+        x, w, a, b = (t.detach().clone().requires_grad_(True) for t in (x, w, a, b))
+        total, cu = x.shape[0], (None if ours else offsets.cu_host.to(dev))
+        if ours:
+            mixed = gd.fla_causal_conv1d(x, w, offsets)
+        else:
+            mixed = fla_conv(x.unsqueeze(0), weight=w, bias=None, activation="silu", cu_seqlens=cu)[0][0]
+        qk, vv = mixed.split([2 * hk * d, hv * d], dim=-1)
+        q, k = qk.reshape(total, 2 * hk, d).split(hk, dim=1)
+        v = vv.reshape(total, hv, d)
+        g, beta = -torch.nn.functional.softplus(a.float()), b.sigmoid()
+        if ours:
+            o = gd.fla_gated_delta_rule(q, k, v, g, beta, offsets)
+        else:
+            o = fla_rule(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g[None], beta[None],
+                         scale=d ** -0.5, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0][0]
+        o.backward(grad)
+        return [o.detach(), x.grad, w.grad, a.grad, b.grad]
+
+    split_seen = False
+    for lens in ((37, 130, 91, 700, 1090), (16384, 100)):
+        bounds = gd.segment_bounds([sum(lens[:i]) for i in range(len(lens))], sum(lens))
+        offsets = gd.PackedOffsets(bounds, dev)
+        assert torch.equal(offsets.conv_chunks(), prepare_chunk_indices(offsets.cu, gd.FLA_CONV_CHUNK))
+        ctx = offsets.flash_qla_context(hv, True)
+        auto = _auto_intra_cp_context(torch.empty(1, 1, hk, d), torch.empty(1, 1, hv, d), offsets.cu,
+                                      CHUNK_SIZE, True, True)
+        assert ctx.is_intra == auto.is_intra
+        split_seen |= ctx.is_intra
+        for name in ("intra_cp_cu_seqlens", "seq_map_r2c", "seq_map_c2r", "ht_mask", "ht_mask_bwd"):
+            got, want = getattr(ctx, name), getattr(auto, name)
+            assert (got is None and want is None) or torch.equal(got, want), name
+        tensors = inputs(sum(lens), seed=len(lens))
+        ours, theirs = step(tensors, offsets, True), step(tensors, offsets, False)
+        for name, got, want in zip(("output", "dx", "dw", "da", "db"), ours, theirs):
+            assert _rel(got, want) <= 1e-3, (lens, name, _rel(got, want))
+        # a fresh layout object (new tensors, nothing cached), kernels already compiled
+        fresh = gd.PackedOffsets(bounds, dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(tensors, fresh, True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert split_seen, "no layout took FlashQLA's intra-card split: the test missed that path"
+
+
 def test_grouped_experts_match_the_loop_in_bf16():
     from vlmrl.models.moe import expert_mlp
 

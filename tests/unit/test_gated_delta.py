@@ -108,12 +108,16 @@ def test_gated_norm_matches_transformers():
 def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     """The GPU fast path is compared with the torch path before use: a kernel whose output
     or gradients disagree is refused with an error that names what differs."""
-    def wrong_rule(q, k, v, g, beta, cu, cu_host=None):
-        bounds = [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+    def bounds_of(offsets):
+        cu = offsets.cu_host.tolist()
+        return list(zip(cu[:-1], cu[1:]))
+
+    def wrong_rule(q, k, v, g, beta, offsets):
+        bounds = bounds_of(offsets)
         return gd.chunk_gated_delta_rule(q, k, v, g * 0.5, beta, bounds)
 
-    def torch_conv(x, w, cu, cu_host=None):
-        return gd.causal_conv1d(x, w, [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
+    def torch_conv(x, w, offsets):
+        return gd.causal_conv1d(x, w, bounds_of(offsets))
 
     monkeypatch.setattr(gd, "fla_causal_conv1d", torch_conv)
     monkeypatch.setattr(gd, "fla_gated_delta_rule", wrong_rule)
@@ -121,8 +125,23 @@ def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     with pytest.raises(gd.FastPathError, match="output differs"):
         gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16)
 
-    def right_rule(q, k, v, g, beta, cu, cu_host=None):
-        return gd.chunk_gated_delta_rule(q, k, v, g, beta, [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
+    def right_rule(q, k, v, g, beta, offsets):
+        return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds_of(offsets))
 
     monkeypatch.setattr(gd, "fla_gated_delta_rule", right_rule)
     assert gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16) == 0.0
+
+
+def test_chunk_tiling_built_on_the_host():
+    """The varlen chunk tiling the fla / FlashQLA kernels take: one row (sample, chunk within
+    it) per started chunk of every sample, in order; an empty sample has none. The GPU test
+    holds it against fla's own `prepare_chunk_indices`."""
+    idx = gd.chunk_indices([2, 0, 5, 64, 65], 4)
+    assert idx.dtype == torch.long and idx.shape == (1 + 0 + 2 + 16 + 17, 2)
+    assert idx[:3].tolist() == [[0, 0], [2, 0], [2, 1]]
+    assert idx[3:19, 0].eq(3).all() and idx[3:19, 1].tolist() == list(range(16))
+    assert idx[19:, 0].eq(4).all() and idx[-1, 1] == 16
+    assert gd.chunk_indices([], 64).shape == (0, 2)
+    offsets = gd.PackedOffsets(gd.segment_bounds([0, 37, 167], 258), torch.device("cpu"))
+    assert offsets.cu.tolist() == offsets.cu_host.tolist() == [0, 37, 167, 258]
+    assert offsets.conv_chunks().tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]

@@ -31,13 +31,17 @@ and the next state is exp(gamma_C) S + (exp(gamma_C - gamma) K)^T U.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .compat import to_device
 
 BACKENDS = ("torch", "fla")
 CHUNK = 64
@@ -226,46 +230,116 @@ def _fla() -> tuple:
     return fla_conv, fla_rule
 
 
-def fla_causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None = None) -> Tensor:
-    """fla's varlen causal convolution + SiLU of packed x [T, C] (weight [C, K]).
+@functools.cache
+def _flash_qla_backend() -> Any:
+    """fla's FlashQLA backend object where fla would dispatch to it (installed, not switched
+    off by FLA_FLASH_QLA=0 or FLA_DISABLE_BACKEND_DISPATCH=1), else None. Each call is still
+    put to the backend's own verifier (device, dtype, head sizes)."""
+    try:
+        import flash_qla  # noqa: F401
+        from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+    except ImportError:
+        return None
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1" or not FlashQLABackend.can_use():
+        return None
+    return FlashQLABackend()
 
-    cu_seqlens_cpu: the same offsets on the host, so fla builds its indices without copying
-    them back from the GPU (a host sync per call otherwise)."""
+
+# fla's varlen causal_conv1d tiles each sample into chunks of this many tokens (its default)
+FLA_CONV_CHUNK = 64
+
+
+def chunk_indices(lengths: Sequence[int], chunk: int) -> Tensor:
+    """[n_chunks, 2] long: (sample, chunk within the sample) of every chunk of `chunk` tokens,
+    samples of `lengths` in order (an empty sample has none): the varlen tiling fla's and
+    FlashQLA's kernels take, built on the host."""
+    rows = [(i, j) for i, n in enumerate(lengths) for j in range(-(-int(n) // chunk))]
+    return torch.tensor(rows, dtype=torch.long).view(-1, 2)
+
+
+class PackedOffsets:
+    """The sample offsets of one packed layout in the forms the fla / FlashQLA kernels take,
+    built from the host offsets once per layout and shared by every Gated DeltaNet layer:
+    the device offsets (`cu`), their host copy (`cu_host`), fla's convolution chunk tiling
+    and FlashQLA's intra-card split of long samples.
+
+    Left to themselves the libraries derive the last two by reading the offsets back from
+    the GPU (FlashQLA's split decision through fla, whose FlashQLA backend drops the host
+    offsets) or by a blocking copy from pageable memory (fla's chunk tiling): a host sync
+    each, once per step, which drains the GPU's queue so that the host cannot run ahead
+    into the next forward. Built here, every copy goes up from pinned memory without
+    blocking and nothing is read back."""
+
+    def __init__(self, bounds: Sequence[tuple[int, int]], device: torch.device) -> None:
+        self._to_device = lambda t: to_device(t, device)
+        self.cu_host = cu_seqlens_of(bounds, torch.device("cpu"))
+        self.cu = self._to_device(self.cu_host)
+        self.device = self.cu.device
+        self._conv: Tensor | None = None
+        self._qla: dict[tuple[int, bool], Any] = {}
+
+    def conv_chunks(self) -> Tensor:
+        """fla's `prepare_chunk_indices(cu, FLA_CONV_CHUNK)`, on the device."""
+        if self._conv is None:
+            self._conv = self._to_device(chunk_indices(self.cu_host.diff().tolist(), FLA_CONV_CHUNK))
+        return self._conv
+
+    def flash_qla_context(self, num_v_heads: int, is_train: bool) -> Any:
+        """FlashQLA's context for this layout: the same decision and split its automatic path
+        makes (`build_cp_context(enable_intra=True)`), taken on the host offsets, its tensors
+        then copied up; the chunk tiling of each offsets tensor the kernels read is attached
+        from the host (`prepare_varlen_metadata`)."""
+        key = (num_v_heads, is_train)
+        if key not in self._qla:
+            from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE
+            from flash_qla.ops.gated_delta_rule.chunk.cp import build_cp_context
+            from flash_qla.utils.index import prepare_varlen_metadata
+
+            host = build_cp_context(self.cu_host, enable_intra=True, num_v_heads=num_v_heads,
+                                    chunk_size=CHUNK_SIZE, is_train=is_train)
+            moved = {f.name: self._to_device(getattr(host, f.name)) for f in dataclasses.fields(host)
+                     if isinstance(getattr(host, f.name), Tensor) and f.name != "cu_seqlens"}
+            ctx = dataclasses.replace(host, cu_seqlens=self.cu, **moved)
+            if getattr(self.cu, "_flash_qla_prepared_varlen", None) is None:
+                prepare_varlen_metadata(self.cu, self.cu_host)
+            if ctx.is_intra:
+                prepare_varlen_metadata(ctx.intra_cp_cu_seqlens, host.intra_cp_cu_seqlens)
+            self._qla[key] = ctx
+        return self._qla[key]
+
+
+def fla_causal_conv1d(x: Tensor, weight: Tensor, offsets: PackedOffsets) -> Tensor:
+    """fla's varlen causal convolution + SiLU of packed x [T, C] (weight [C, K]), its chunk
+    tiling given from the host (`PackedOffsets`)."""
     fla_conv, _ = _fla()
     out = fla_conv(x.unsqueeze(0), weight=weight.to(x.dtype), bias=None, activation="silu",
-                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                   cu_seqlens=offsets.cu, cu_seqlens_cpu=offsets.cu_host, chunk_indices=offsets.conv_chunks())
     out = out[0] if isinstance(out, tuple) else out
     return out.squeeze(0)
 
 
-def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
-                         cu_seqlens_cpu: Tensor | None = None) -> Tensor:
+def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, offsets: PackedOffsets) -> Tensor:
     """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]
-    (value heads grouped over key heads natively: fla's GVA); cu_seqlens_cpu as in
-    `fla_causal_conv1d`."""
+    (value heads grouped over key heads natively: fla's GVA).
+
+    Where fla would dispatch to FlashQLA (Hopper and Blackwell, head size 128), FlashQLA is
+    called directly with its context built from the host offsets (`PackedOffsets`): the same
+    kernels and the same split, without the read-back. Elsewhere fla's own path."""
     _, fla_rule = _fla()
-    if cu_seqlens_cpu is not None:
-        _flash_qla_chunks(cu_seqlens, cu_seqlens_cpu)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    o, _ = fla_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
-                    beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=None,
-                    output_final_state=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                    use_qk_l2norm_in_kernel=True)
+    args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0))
+    kwargs = dict(scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=offsets.cu)
+    backend = _flash_qla_backend()
+    if backend is not None and backend.verify("chunk_gated_delta_rule", *args, **kwargs)[0]:
+        import flash_qla
+
+        is_train = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+        o, _ = flash_qla.chunk_gated_delta_rule(
+            *args, **kwargs, cp_context=offsets.flash_qla_context(v.shape[1], is_train))
+    else:
+        o, _ = fla_rule(*args, **kwargs, cu_seqlens_cpu=offsets.cu_host)
     return o.squeeze(0)
-
-
-def _flash_qla_chunks(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor) -> None:
-    """Where fla runs FlashQLA (Hopper): hand FlashQLA its chunk offsets and indices, built
-    from the host offsets, on the device offsets tensor (`prepare_varlen_metadata`): fla does
-    not pass the host offsets on, and FlashQLA would read them back from the GPU, a host sync
-    per packed layout. Once per tensor; nothing to do without FlashQLA."""
-    if getattr(cu_seqlens, "_flash_qla_prepared_varlen", None) is not None:
-        return
-    try:
-        from flash_qla.utils.index import prepare_varlen_metadata
-    except ImportError:
-        return
-    prepare_varlen_metadata(cu_seqlens, cu_seqlens_cpu)
 
 
 def cu_seqlens_of(bounds: Sequence[tuple[int, int]], device: torch.device) -> Tensor:
@@ -316,18 +390,18 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
     for n in lens:
         offsets.append(offsets[-1] + n)
     bounds = segment_bounds(offsets[:-1], total)
-    cu, cu_host = cu_seqlens_of(bounds, device), cu_seqlens_of(bounds, torch.device("cpu"))
+    offsets = PackedOffsets(bounds, device)
     grad_out = rnd(total, hv, dv)
 
     def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
         leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
-        mixed = fla_causal_conv1d(xx, ww, cu, cu_host) if fast else causal_conv1d(xx, ww, bounds)
+        mixed = fla_causal_conv1d(xx, ww, offsets) if fast else causal_conv1d(xx, ww, bounds)
         qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)
         q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
         v = vv.reshape(total, hv, dv)
         g, beta = decay_and_beta(aa, bb, a_log, dt_bias)
-        o = (fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host) if fast
+        o = (fla_gated_delta_rule(q, k, v, g, beta, offsets) if fast
              else chunk_gated_delta_rule(q, k, v, g, beta, bounds))
         o.float().backward(grad_out.float())
         return o.detach().float(), [t.grad.detach().float() for t in leaves]

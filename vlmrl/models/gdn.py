@@ -45,7 +45,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import Tensor
 
-from . import compat
 from . import gated_delta as gd
 from .attention import VLPackedSeqParams
 from .kernels import pick
@@ -173,19 +172,17 @@ class GatedDeltaNet(MegatronModule):
         total = mixed.shape[0]
         bounds = gd.segment_bounds(p.layout()["whole_offsets"][:-1], total)
         if self.backend == "fla":
-            cu, cu_host = p._cache.get("gdn_cu") or (None, None)
-            if cu is None:
-                cu_host = gd.cu_seqlens_of(bounds, torch.device("cpu"))
-                cu = compat.to_device(cu_host, mixed.device)
-                p._cache["gdn_cu"] = (cu, cu_host)
-            mixed = gd.fla_causal_conv1d(mixed, conv_w, cu, cu_host)
+            offsets = p._cache.get("gdn_offsets")
+            if offsets is None:
+                offsets = p._cache["gdn_offsets"] = gd.PackedOffsets(bounds, mixed.device)
+            mixed = gd.fla_causal_conv1d(mixed, conv_w, offsets)
         else:
             mixed = gd.causal_conv1d(mixed, conv_w, bounds)
         mixed = mixed.view(total, heads_k, self.group)
         q, k, v = mixed.split([self.dk, self.dk, self.ratio * self.dv], dim=-1)
         v = v.reshape(total, heads_v, self.dv)
         if self.backend == "fla":
-            return gd.fla_gated_delta_rule(q, k, v, g, beta, cu, cu_host)
+            return gd.fla_gated_delta_rule(q, k, v, g, beta, offsets)
         return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
 
 
