@@ -527,7 +527,8 @@ def test_server_under_load_and_bad_input(engine):
 def test_weight_sync_bench_verifies_the_sync(tmp_path):
     """`python -m vlmrl.bench weight-sync` on the CPU: the loop's TrainerWorker syncs a perturbed
     policy to an engine process over SGLang's protocol, and the engine's logprobs of its own
-    completion then equal the trainer's; the bench exits 1 when they do not. The engine must
+    completion then equal the trainer's (and lie far from what the weights before the sync
+    give the same tokens); the bench exits 1 when they do not. The engine must
     end up with every bucket, the last one's version, although it loads each bucket while the
     trainer prepares the next."""
     import json
@@ -540,6 +541,8 @@ def test_weight_sync_bench_verifies_the_sync(tmp_path):
     row = json.loads((tmp_path / "weight_sync_tiny.json").read_text())["row"]
     assert row["verified"] and row["weight_version"] == "v1" and row["phases"]["buckets"] >= 5
     assert row["logprob_max_abs_diff"] <= 1e-4 and row["bytes"] > 0
+    # the engine moved to the new weights: far from what the old ones give the same tokens
+    assert row["logprob_mean_abs_diff_old_weights"] > 100 * max(row["logprob_mean_abs_diff"], 1e-7)
     # where the sync's host time went: every phase timed, together within the sync's wall time
     phases = row["phases"]
     assert phases["buckets"] >= 1
