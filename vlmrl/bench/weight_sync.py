@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         stale = float((lp_old - engine_t).abs().mean())
         med = statistics.median(times)
         row = {"model": args.model, "device": args.device, "dtype": args.dtype,
-               "params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
+               "params": sum(p.numel() for p in params),
                "bytes": sent, "bucket_mb": args.bucket_mb, "sync_s": times, "median_s": med,
                "gb_per_s": sent / med / 1e9, "weight_version": version,
                "logprob_max_abs_diff": diff,

@@ -271,17 +271,16 @@ class PackedOffsets:
     blocking and nothing is read back."""
 
     def __init__(self, bounds: Sequence[tuple[int, int]], device: torch.device) -> None:
-        self._to_device = lambda t: to_device(t, device)
+        self._device = device
         self.cu_host = cu_seqlens_of(bounds, torch.device("cpu"))
-        self.cu = self._to_device(self.cu_host)
-        self.device = self.cu.device
+        self.cu = to_device(self.cu_host, device)
         self._conv: Tensor | None = None
         self._qla: dict[tuple[int, bool], Any] = {}
 
     def conv_chunks(self) -> Tensor:
         """fla's `prepare_chunk_indices(cu, FLA_CONV_CHUNK)`, on the device."""
         if self._conv is None:
-            self._conv = self._to_device(chunk_indices(self.cu_host.diff().tolist(), FLA_CONV_CHUNK))
+            self._conv = to_device(chunk_indices(self.cu_host.diff().tolist(), FLA_CONV_CHUNK), self._device)
         return self._conv
 
     def flash_qla_context(self, num_v_heads: int, is_train: bool) -> Any:
@@ -297,7 +296,7 @@ class PackedOffsets:
 
             host = build_cp_context(self.cu_host, enable_intra=True, num_v_heads=num_v_heads,
                                     chunk_size=CHUNK_SIZE, is_train=is_train)
-            moved = {f.name: self._to_device(getattr(host, f.name)) for f in dataclasses.fields(host)
+            moved = {f.name: to_device(getattr(host, f.name), self._device) for f in dataclasses.fields(host)
                      if isinstance(getattr(host, f.name), Tensor) and f.name != "cu_seqlens"}
             ctx = dataclasses.replace(host, cu_seqlens=self.cu, **moved)
             if getattr(self.cu, "_flash_qla_prepared_varlen", None) is None:
@@ -390,18 +389,18 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
     for n in lens:
         offsets.append(offsets[-1] + n)
     bounds = segment_bounds(offsets[:-1], total)
-    offsets = PackedOffsets(bounds, device)
+    packed = PackedOffsets(bounds, device)
     grad_out = rnd(total, hv, dv)
 
     def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
         leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
-        mixed = fla_causal_conv1d(xx, ww, offsets) if fast else causal_conv1d(xx, ww, bounds)
+        mixed = fla_causal_conv1d(xx, ww, packed) if fast else causal_conv1d(xx, ww, bounds)
         qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)
         q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
         v = vv.reshape(total, hv, dv)
         g, beta = decay_and_beta(aa, bb, a_log, dt_bias)
-        o = (fla_gated_delta_rule(q, k, v, g, beta, offsets) if fast
+        o = (fla_gated_delta_rule(q, k, v, g, beta, packed) if fast
              else chunk_gated_delta_rule(q, k, v, g, beta, bounds))
         o.float().backward(grad_out.float())
         return o.detach().float(), [t.grad.detach().float() for t in leaves]
