@@ -117,15 +117,18 @@ def trainer_overrides(device: str, dtype: str) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """The engine process: the embedded engine behind SGLang's HTTP protocol."""
+    """The engine process: the embedded engine behind SGLang's HTTP protocol, until the bench
+    process that started it is gone (killed too: no engine is left holding memory)."""
     from ..rollout.embedded import EmbeddedEngine
     from ..rollout.server import ThreadedServer
 
+    parent = os.getppid()
     engine = EmbeddedEngine(args.ckpt, device=args.device, dtype=args.dtype, max_batch_size=8)
     server = ThreadedServer(engine)
     Path(args.url_file).write_text(server.url)
-    while True:
-        time.sleep(3600)
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    return 0
 
 
 def _engine(ckpt: Path, device: str, dtype: str, tmp: Path) -> tuple[subprocess.Popen, str]:
