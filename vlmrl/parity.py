@@ -209,6 +209,7 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
 
     from .models import adapters, compat, packing
     from .models.bridge import build_model
+    from .rollout.weights import flatten_bucket, unflatten_bucket
     from .training.parallel_state import destroy_parallel_state, init_parallel_state
 
     info = init_parallel_state(parallel, seed=batch.seed)
@@ -229,6 +230,11 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
             buckets += 1
             bucketed.update((n, t.cpu()) for n, t in bucket)
         roundtrip = max(roundtrip, max_abs_diff(bucketed, expected))
+        # the colocated sync's payload: uncompacted views, flattened into one tensor per bucket
+        flattened: dict[str, Any] = {}
+        for bucket in adapters.iter_hf_weights(chunks, model, bucket_bytes=256 << 10, compact=False):
+            flattened.update((n, t.cpu()) for n, t in unflatten_bucket(flatten_bucket(bucket)))
+        roundtrip = max(roundtrip, max_abs_diff(flattened, expected))
         for c in chunks:
             c.train()  # dropout is off; train mode exercises the training code paths
         cp = info.cp_size

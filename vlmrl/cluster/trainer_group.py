@@ -157,7 +157,9 @@ class TrainerWorker:
             lap("barrier")
 
         try:
-            for bucket, last in wt.with_last(self.trainer.iter_hf_weights(bucket_bytes)):
+            # the flattened IPC bucket copies each tensor's own bytes: views need no copy of their own
+            buckets_of = self.trainer.iter_hf_weights(bucket_bytes, compact=not (colocate and fmt == "ipc"))
+            for bucket, last in wt.with_last(buckets_of):
                 lap("gather_convert")
                 buckets += 1
                 version = weight_version if last else None

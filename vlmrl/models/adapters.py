@@ -148,27 +148,33 @@ def to_megatron(model: ModelConfig, rule: Rule, hf: Sequence[Tensor], tp_rank: i
 
 
 def to_hf(model: ModelConfig, rule: Rule, shards: Sequence[Tensor]) -> list[Tensor]:
-    """The full HF tensor(s) of `rule` from the Megatron tensors of all TP ranks (rank order)."""
+    """The full HF tensor(s) of `rule` from the Megatron tensors of all TP ranks (rank order).
+    With one shard nothing is joined: the results may be (views of) the shard itself."""
     if rule.kind == "copy":
         return [shards[0]]
     if rule.kind == "rows":
-        return [torch.cat(list(shards), 0)]
+        return [_join(shards, 0)]
     if rule.kind == "cols":
-        return [torch.cat(list(shards), 1)]
+        return [_join(shards, 1)]
     if rule.kind == "qkv":
-        return list(_qkv_split(model, torch.cat(list(shards), 0)))
+        return list(_qkv_split(model, _join(shards, 0)))
     if rule.kind == "gate_up":
         halves = [s.chunk(2, 0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return [_join([h[0] for h in halves], 0), _join([h[1] for h in halves], 0)]
     if rule.kind == "qkv_gated":
-        return list(_qkv_gated_split(model, torch.cat(list(shards), 0)))
+        return list(_qkv_gated_split(model, _join(shards, 0)))
     if rule.kind == "gdn_qkv":
-        return [_gdn_ungroup(model, torch.cat(list(shards), 0))]
+        return [_gdn_ungroup(model, _join(shards, 0))]
     if rule.kind == "experts_gate_up":  # shards: expert-parallel ranks in order, [E_r, 2I, H] each
-        return [half for e in torch.cat(list(shards)) for half in e.chunk(2, 0)]
+        return [half for e in _join(shards, 0) for half in e.chunk(2, 0)]
     if rule.kind == "experts_down":
-        return list(torch.cat(list(shards)).unbind(0))
+        return list(_join(shards, 0).unbind(0))
     raise ValueError(rule.kind)
+
+
+def _join(shards: Sequence[Tensor], dim: int) -> Tensor:
+    """The shards end to end along `dim`; one shard as it is (no copy)."""
+    return shards[0] if len(shards) == 1 else torch.cat(list(shards), dim)
 
 
 def _cut(t: Tensor, dim: int, rank: int, size: int) -> Tensor:
@@ -344,7 +350,8 @@ def _grad_of(p: Tensor) -> Tensor:
 
 @torch.no_grad()
 def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: int = 512 << 20,
-                    grads: bool = False, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+                    grads: bool = False, dtype: torch.dtype | None = None,
+                    compact: bool = True) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield the full model as (hf_name, tensor) buckets of about `bucket_bytes` each.
 
     Collective over the tensor-, expert- and pipeline-parallel groups: every rank of a model
@@ -354,6 +361,12 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
     stage's embedding gradient must already include the output layer's (Megatron's
     finalize_model_grads). `dtype` casts floating tensors; float32 ones kept float32 by the
     model (`A_log`, the GDN norm) are cast like the rest.
+
+    Tensors may be views into the parameters (or into larger tensors): with `compact` each
+    such view is copied into storage of its own size (`_compact`), for consumers that would
+    otherwise move its base's bytes. A consumer that copies every tensor anyway (the
+    flattened bucket of the colocated sync) passes compact=False and saves a copy and a
+    launch per view: for a MoE, every expert's gate, up and down matrix.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
@@ -411,7 +424,8 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
     for n, t in stage_entries():
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        t = _compact(t)
+        if compact:
+            t = _compact(t)
         bucket.append((n, t))
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:

@@ -347,11 +347,14 @@ class MegatronTrainer:
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ weights
-    def iter_hf_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
-        """The current weights as HF-named buckets (collective over TP and PP)."""
+    def iter_hf_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None,
+                        compact: bool = True) -> Iterator[list[tuple[str, Tensor]]]:
+        """The current weights as HF-named buckets (collective over TP and PP); `compact` as in
+        `adapters.iter_hf_weights`."""
         from ..models import adapters
 
-        return adapters.iter_hf_weights(self.chunks, self.model_cfg, bucket_bytes=bucket_bytes, dtype=dtype)
+        return adapters.iter_hf_weights(self.chunks, self.model_cfg, bucket_bytes=bucket_bytes, dtype=dtype,
+                                        compact=compact)
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         return {"steps": self.steps, "scheduler": self.scheduler.state_dict()}
