@@ -12,6 +12,10 @@ after warm-up; median of `--iters` steps. Two shapes (`--shape`):
     python -m vlmrl.bench.train_gpu --seq 4096 --out bench/results
     python -m vlmrl.bench.train_gpu --shape qwen35_moe --samples 8 --variants hf_qwen35_moe,vlmrl_qwen35_moe
 
+Each step is also split where the forward and the loss are queued: the host's time until
+then, and on a GPU the time until the GPU got there (CUDA events). When the two are close,
+the GPU spent the forward waiting for launches; the backward's share is the rest.
+
 TFLOP/s count 6 x (matmul parameters a token passes through: active experts only, the LM
 head included, the embedding table excluded) plus causal attention over the full-attention
 layers (6 x layers x heads x head_dim x seq per token); the Gated DeltaNet recurrence and
@@ -202,6 +206,15 @@ def sync_points(step: Any, name: str) -> list[str]:
 
 
 MANUAL_GC = False  # --manual-gc: no automatic Python collections during the timed steps
+_FORWARD_DONE: list[Any] = []  # set by `timed`: what `forward_queued` calls
+
+
+def forward_queued() -> None:
+    """Called by every variant's step once its forward and loss are queued, before the
+    backward: `timed` notes the host time and records a CUDA event there, so each step's
+    forward is measured on both sides (host: until queued; GPU: until it got there)."""
+    if _FORWARD_DONE:
+        _FORWARD_DONE[0]()
 
 
 def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
@@ -231,11 +244,24 @@ def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
         gc.freeze()
         gc.disable()
     gc.callbacks.append(on_gc)
+    fwd_host, fwd_gpu, mark = [], [], {}
+
+    def on_forward() -> None:
+        mark["host"] = time.perf_counter()
+        if CUDA:
+            mark["event"] = torch.cuda.Event(enable_timing=True)
+            mark["event"].record()
+
+    _FORWARD_DONE[:] = [on_forward]
     try:
         for _ in range(iters):
+            start = None
             if CUDA:
                 torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()  # the GPU is idle: it reaches this at once
             spent["s"] = 0.0
+            mark.clear()
             t0 = time.perf_counter()
             step()
             host.append(time.perf_counter() - t0)
@@ -243,14 +269,28 @@ def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             gc_s.append(spent["s"])
+            if "host" in mark:
+                fwd_host.append(mark["host"] - t0)
+                if start is not None:
+                    fwd_gpu.append(start.elapsed_time(mark["event"]) / 1e3)
     finally:
+        _FORWARD_DONE.clear()
         gc.callbacks.remove(on_gc)
         if MANUAL_GC:
             gc.enable()
             gc.unfreeze()
     print(f"  Python GC: {statistics.median(gc_s) * 1e3:.2f} ms per step (median), "
           f"{sum(gc_s) * 1e3:.1f} ms over {iters} steps, {spent['gen2']} full collections", flush=True)
-    return {"times": times, "host_times": host, "gc_times": gc_s}
+    out = {"times": times, "host_times": host, "gc_times": gc_s}
+    if fwd_host:
+        out["forward_host_times"] = fwd_host
+        line = f"  forward + loss: queued by the host at {statistics.median(fwd_host) * 1e3:.1f} ms"
+        if fwd_gpu:
+            out["forward_gpu_times"] = fwd_gpu
+            line += (f", done on the GPU at {statistics.median(fwd_gpu) * 1e3:.1f} ms (medians; close to the "
+                     "host's: the forward waits for launches)")
+        print(line, flush=True)
+    return out
 
 
 def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
@@ -266,6 +306,7 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
 
     def step() -> None:
         out = model(input_ids=x, labels=x)
+        forward_queued()
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -289,6 +330,7 @@ def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -
 
     def step() -> None:
         out = model(input_ids=x, labels=x, use_cache=False)
+        forward_queued()
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -333,6 +375,7 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         logits = model(packed)
         logp, _ = logprobs_and_entropy(logits, targets, with_entropy=False, fused=fused)
         loss = -(logp * mask).sum() / mask.sum()
+        forward_queued()
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -424,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
             fpt = flops_per_token(r["params"] - embed, args.layers, args.hidden, args.seq) + 6 * embed
         rows.append({"variant": variant, "median_s": med, "host_median_s": statistics.median(r["host_times"]),
                      "gc_median_s": statistics.median(r["gc_times"]),
+                     # forward + loss: host seconds until queued, and (CUDA) until the GPU got there
+                     **{f"{k[:-6]}_median_s": statistics.median(r[k])
+                        for k in ("forward_host_times", "forward_gpu_times") if r.get(k)},
                      "tokens_per_s": args.seq / med,
                      "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
                      "params": r["params"],
