@@ -158,7 +158,7 @@ class TrainerWorker:
 
         try:
             # the flattened IPC bucket copies each tensor's own bytes: views need no copy of their own
-            buckets_of = self.trainer.iter_hf_weights(bucket_bytes, compact=not (colocate and fmt == "ipc"))
+            buckets_of = self.trainer.iter_hf_weights(bucket_bytes, compact=fmt != "ipc")
             for bucket, last in wt.with_last(buckets_of):
                 lap("gather_convert")
                 buckets += 1
