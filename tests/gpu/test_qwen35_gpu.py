@@ -39,6 +39,23 @@ def test_fla_gated_delta_matches_torch_at_the_recipe_head_sizes():
     assert worst <= gd.FAST_PATH_TOL[torch.bfloat16]
 
 
+def test_fast_path_check_covers_flash_qla_split_path():
+    """The startup check also runs FlashQLA's intra-card split (its own kernels) against the
+    torch path, at the recipe's head sizes, so that a run compiles and checks it before its
+    first long sample."""
+    pytest.importorskip("flash_qla")
+    from vlmrl.models import gated_delta as gd
+
+    hk, hv, d = 16, 32, 128
+    lens = gd.SPLIT_CHECK_LENS
+    offsets = gd.PackedOffsets(gd.segment_bounds([0, lens[0]], sum(lens)), torch.device("cuda"), force_split=True)
+    ctx = offsets.flash_qla_context(hv, True)
+    assert ctx.is_intra and ctx.intra_cp_cu_seqlens.numel() > len(lens) + 1  # the long sample is cut
+    worst = gd._check_layout(torch.device("cuda"), torch.bfloat16, hk, hv, d, d, 4, lens, 0, force_split=True)
+    print(f"FlashQLA split path vs torch, bf16: worst relative difference {worst:.2e}")
+    assert worst <= gd.FAST_PATH_TOL[torch.bfloat16]
+
+
 def test_gated_delta_offsets_from_the_host_match_fla_and_read_nothing_back():
     """`PackedOffsets` hands fla's convolution its chunk tiling and FlashQLA its split context,
     both built on the host. The results equal fla's own path (which derives them from the

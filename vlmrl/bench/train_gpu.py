@@ -153,6 +153,83 @@ def profile(step: Any, name: str) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=PROFILE_TOP, max_name_column_width=60))
 
 
+TIMELINE = False  # --timeline: where one step's GPU sits idle (CUDA activity only, see `gpu_timeline`)
+_TIMELINES: list[str] = []
+MARKER_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel: the forward / backward boundary on the timeline
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], marker: str | None = None,
+              min_gap_us: float = 5.0) -> dict[str, Any]:
+    """From GPU activity intervals (start µs, end µs, name) of one step: the span from the
+    first start to the last end, the time covered by any activity, the idle rest, split at
+    the first `marker` activity (the forward / backward boundary) when there is one, and the
+    gaps of at least `min_gap_us` with the activities on either side, largest first."""
+    ks = sorted(kernels)
+    if not ks:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": []}
+    cut = next((s for s, _, n in ks if marker and marker in n), None)
+    busy, idle, idle_before, gaps = 0.0, 0.0, 0.0, []
+    end, prev = ks[0][0], ks[0][2]
+    for s, e, n in ks:
+        if s > end:
+            gap = s - end
+            idle += gap
+            if cut is not None and s <= cut:
+                idle_before += gap
+            if gap >= min_gap_us:
+                gaps.append({"at_us": end - ks[0][0], "gap_us": gap, "after": prev, "before": n})
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, prev = e, n
+    out = {"span_us": end - ks[0][0], "busy_us": busy, "idle_us": idle,
+           "gaps": sorted(gaps, key=lambda g: -g["gap_us"])}
+    if cut is not None:
+        out.update(forward_span_us=cut - ks[0][0], forward_idle_us=idle_before)
+    return out
+
+
+def gpu_timeline(step: Any, name: str, out_dir: Path, top: int = 15) -> dict[str, Any]:
+    """Profile one step with CUDA activity only (no per-op host instrumentation, so the host
+    keeps its own pace) and report where its GPU sat idle (`idle_gaps`); a marker kernel is
+    queued where the forward and loss have been queued. The trace goes to
+    `out_dir/timeline-<n>-<name>.json.gz` (chrome://tracing, Perfetto)."""
+    import gzip
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    _FORWARD_DONE[:] = [lambda: torch.cuda._sleep(1)]
+    try:
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    finally:
+        _FORWARD_DONE.clear()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        raw = path.read_bytes()
+    events = json.loads(raw).get("traceEvents", [])
+    acts = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "")))
+            for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    r = idle_gaps(acts, MARKER_KERNEL)
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _TIMELINES.append(name)  # a variant measured twice (pairs) keeps both traces
+    (out_dir / f"timeline-{len(_TIMELINES)}-{safe}.json.gz").write_bytes(gzip.compress(raw))
+    fwd = (f"; forward {r['forward_span_us'] / 1e3:.1f} ms with {r['forward_idle_us'] / 1e3:.1f} ms idle"
+           if "forward_span_us" in r else "")
+    print(f"--- {name}: one step on the GPU: {r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, "
+          f"idle {r['idle_us'] / 1e3:.1f} ms in {len(r['gaps'])} gaps of >= 5 us{fwd}", flush=True)
+    for g in r["gaps"][:top]:
+        print(f"  {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:7.2f} ms  after {g['after'][:60]}  "
+              f"before {g['before'][:60]}", flush=True)
+    r["gaps"] = r["gaps"][:50]
+    return r
+
+
 CPROFILE_TOP = 0  # > 0: print the top Python functions (by own time) of 5 steps (--cprofile N)
 
 
@@ -171,6 +248,7 @@ def host_profile(step: Any, name: str) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(CPROFILE_TOP)
 
 
+OUT_DIR = Path("bench/results")  # --out
 SYNC_DEBUG = False  # --sync-debug: list the calls of one step that wait for the GPU
 
 
@@ -311,6 +389,8 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
         model.zero_grad(set_to_none=True)
 
     r = timed(step, iters, warmup)
+    if TIMELINE and CUDA:
+        r["timeline"] = gpu_timeline(step, "hf_sdpa", OUT_DIR)
     if PROFILE_TOP:
         profile(step, "hf_sdpa")
     if CPROFILE_TOP:
@@ -335,6 +415,8 @@ def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -
         model.zero_grad(set_to_none=True)
 
     r = timed(step, iters, warmup)
+    if TIMELINE and CUDA:
+        r["timeline"] = gpu_timeline(step, "hf_qwen35_moe", OUT_DIR)
     if PROFILE_TOP:
         profile(step, "hf_qwen35_moe")
     if SYNC_DEBUG and CUDA:
@@ -386,6 +468,8 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
 
         r["cuda_graphs"] = cuda_graph_stats()
         print(f"CUDA graph trees: {r['cuda_graphs']}", flush=True)
+    if TIMELINE and CUDA:
+        r["timeline"] = gpu_timeline(step, label, OUT_DIR)
     if PROFILE_TOP:
         profile(step, label)
     if CPROFILE_TOP:
@@ -419,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="freeze the heap and disable Python's automatic GC during the timed steps (all variants)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
     ap.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step per variant")
+    ap.add_argument("--timeline", action="store_true",
+                    help="profile one step per variant (GPU activity only): idle time, its largest gaps, "
+                         "and the trace under --out")
     ap.add_argument("--stacks-every", type=float, default=0,
                     help="print every thread's Python stack every N seconds (where a slow warm-up spends its time)")
     args = ap.parse_args(argv)
@@ -426,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
-    global PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG, MANUAL_GC
+    global PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG, MANUAL_GC, TIMELINE, OUT_DIR
     PROFILE_TOP, CPROFILE_TOP, SYNC_DEBUG = args.profile, args.cprofile, args.sync_debug
+    TIMELINE, OUT_DIR = args.timeline, Path(args.out)
     MANUAL_GC = args.manual_gc
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -475,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                      "params": r["params"],
                      "spread_s": [min(r["times"]), max(r["times"])],
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None,
-                     **{k: r[k] for k in ("sync_points", "cuda_graphs") if k in r}})
+                     **{k: r[k] for k in ("sync_points", "cuda_graphs", "timeline") if k in r}})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
               f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms) "
               f"peak {rows[-1]['peak_memory_gib'] or 0:.1f} GiB", flush=True)

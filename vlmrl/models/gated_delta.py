@@ -270,8 +270,9 @@ class PackedOffsets:
     into the next forward. Built here, every copy goes up from pinned memory without
     blocking and nothing is read back."""
 
-    def __init__(self, bounds: Sequence[tuple[int, int]], device: torch.device) -> None:
+    def __init__(self, bounds: Sequence[tuple[int, int]], device: torch.device, force_split: bool = False) -> None:
         self._device = device
+        self.force_split = force_split  # FlashQLA splits long samples even where it would not (the check)
         self.cu_host = cu_seqlens_of(bounds, torch.device("cpu"))
         self.cu = to_device(self.cu_host, device)
         self._conv: Tensor | None = None
@@ -285,7 +286,8 @@ class PackedOffsets:
 
     def flash_qla_context(self, num_v_heads: int, is_train: bool) -> Any:
         """FlashQLA's context for this layout: the same decision and split its automatic path
-        makes (`build_cp_context(enable_intra=True)`), taken on the host offsets, its tensors
+        makes (`build_cp_context(enable_intra=True)`; with `force_split` it splits whatever
+        the decision), taken on the host offsets, its tensors
         then copied up; the chunk tiling of each offsets tensor the kernels read is attached
         from the host (`prepare_varlen_metadata`)."""
         key = (num_v_heads, is_train)
@@ -295,7 +297,7 @@ class PackedOffsets:
             from flash_qla.utils.index import prepare_varlen_metadata
 
             host = build_cp_context(self.cu_host, enable_intra=True, num_v_heads=num_v_heads,
-                                    chunk_size=CHUNK_SIZE, is_train=is_train)
+                                    chunk_size=CHUNK_SIZE, is_train=is_train, force_intra_cp=self.force_split)
             moved = {f.name: to_device(getattr(host, f.name), self._device) for f in dataclasses.fields(host)
                      if isinstance(getattr(host, f.name), Tensor) and f.name != "cu_seqlens"}
             ctx = dataclasses.replace(host, cu_seqlens=self.cu, **moved)
@@ -363,15 +365,35 @@ def check_model_fast_path(lm: Any, device: torch.device, dtype: torch.dtype, spl
                            dk=lm.linear_key_head_dim, dv=lm.linear_value_head_dim, conv_k=lm.linear_conv_kernel_dim)
 
 
+# the layout of the forced-split check: FlashQLA cuts its long sample into pieces of a few
+# chunks that run on separate SMs and joins their states (the path long samples take)
+SPLIT_CHECK_LENS = (37, 1000)
+
+
 def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv: int = 4, dk: int = 64,
                     dv: int = 64, conv_k: int = 4, lens: Sequence[int] = (37, 130, 91), seed: int = 0) -> float:
     """Compare fla's conv + recurrence in `dtype`, forward and backward, with the torch path in
     float32 on the same inputs (the same `dtype` values, upcast) on a small packed input; raise
     FastPathError naming what disagrees. Returns the worst relative difference (to the largest
-    reference magnitude). Run once per process and shape signature (cached)."""
+    reference magnitude). Run once per process and shape signature (cached).
+
+    Where FlashQLA runs the recurrence it is checked a second time with its intra-card split
+    forced on a longer sample (`SPLIT_CHECK_LENS`): that path has kernels of its own, which
+    would otherwise be compiled, unchecked, at the first long sample of a run."""
     key = (str(device), dtype, hk, hv, dk, dv, conv_k)
     if key in _CHECKED:
         return _CHECKED[key]
+    worst = _check_layout(device, dtype, hk, hv, dk, dv, conv_k, lens, seed, force_split=False)
+    if device.type == "cuda" and _flash_qla_backend() is not None:
+        worst = max(worst, _check_layout(device, dtype, hk, hv, dk, dv, conv_k, SPLIT_CHECK_LENS, seed,
+                                         force_split=True))
+    _CHECKED[key] = worst
+    return worst
+
+
+def _check_layout(device: torch.device, dtype: torch.dtype, hk: int, hv: int, dk: int, dv: int, conv_k: int,
+                  lens: Sequence[int], seed: int, force_split: bool) -> float:
+    """`check_fast_path` on one packed layout of samples `lens`."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     total = sum(lens)
     channels = 2 * hk * dk + hv * dv
@@ -389,7 +411,7 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
     for n in lens:
         offsets.append(offsets[-1] + n)
     bounds = segment_bounds(offsets[:-1], total)
-    packed = PackedOffsets(bounds, device)
+    packed = PackedOffsets(bounds, device, force_split=force_split)
     grad_out = rnd(total, hv, dv)
 
     def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
@@ -415,9 +437,12 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
         worst = max(worst, rel)
         if not rel <= tol:  # catches NaN too
             raise FastPathError(
-                f"the fla Gated DeltaNet path disagrees with the torch reference: {name} differs by "
+                f"the fla Gated DeltaNet path{' (FlashQLA split across SMs)' if force_split else ''} disagrees "
+                f"with the torch reference: {name} differs by "
                 f"{rel:.3g} relative (tolerance {tol:g}, {dtype}, {device}); refusing to train on it. "
                 "Install a flash-linear-attention / FlashQLA build that passes, or set "
                 "hardware.gdn_backend=torch")
-    _CHECKED[key] = worst
+    # the contexts FlashQLA ran with (none where its verifier turned these shapes to fla's path)
+    if force_split and not all(ctx.is_intra for ctx in packed._qla.values()):
+        raise FastPathError("FlashQLA did not split the check's long sample as forced: its split path went unchecked")
     return worst
