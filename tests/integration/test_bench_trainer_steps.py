@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_trainer_steps_bench_reports_real_steps(tmp_path):
     out = subprocess.run([sys.executable, "-m", "vlmrl.bench", "trainer-steps", "--model", "tiny", "--device", "cpu",
                           "--steps", "3", "--samples", "4", "--prompt", "20,40", "--response", "8,32",
-                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          "--profile", "40", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "trainer_steps_tiny.json").read_text())
     steps = result["steps"]
@@ -23,3 +24,6 @@ def test_trainer_steps_bench_reports_real_steps(tmp_path):
     assert all(s["seconds"] > 0 and s["grad_norm"] > 0 for s in steps)  # the policy was trained
     assert result["steady_tokens_per_s"] > 0 and result["warmup_s"] >= 0
     assert result["command"].startswith("python -m vlmrl.bench.trainer_steps")
+    # --profile: one more step profiled, the trainer's phases named among its ops
+    by_total = out.stdout.split("ops by cpu_time_total")[1]
+    assert "vlmrl.forward_backward" in by_total and "vlmrl.optimizer_step" in by_total

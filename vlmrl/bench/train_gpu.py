@@ -16,6 +16,12 @@ Each step is also split where the forward and the loss are queued: the host's ti
 then, and on a GPU the time until the GPU got there (CUDA events). When the two are close,
 the GPU spent the forward waiting for launches; the backward's share is the rest.
 
+Each timed step starts on an idle GPU (the bench waits for it first): the ratios (`vs_hf`)
+are of these medians. The same number of steps is then also run back to back, without that
+wait, as a trainer runs its micro-batches (`back_to_back_step_s`, `vs_hf_back_to_back`):
+where a step never waits for the GPU, its host can queue the next forward while the GPU
+still runs the last backward. `--timeline` shows one step's GPU idle time and its gaps.
+
 TFLOP/s count 6 x (matmul parameters a token passes through: active experts only, the LM
 head included, the embedding table excluded) plus causal attention over the full-attention
 layers (6 x layers x heads x head_dim x seq per token); the Gated DeltaNet recurrence and
@@ -138,19 +144,24 @@ DEVICE = "cuda" if CUDA else "cpu"  # CPU: a smoke test of the script with a sma
 PROFILE_TOP = 0  # > 0: print the top kernels of a profiled step per variant (--profile N)
 
 
-def profile(step: Any, name: str) -> None:
+def profile(step: Any, name: str, top: int | None = None, steps: int = 2, by_total: bool = False) -> None:
+    """Print the top ops of `steps` profiled steps by their own GPU time (own CPU time without
+    CUDA); with `by_total` also by CPU time including children, where the trainer's phases
+    (`torch.profiler.record_function` scopes, e.g. "vlmrl.optimizer_step") come first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    top = top or PROFILE_TOP
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
     with torch_profile(activities=activities) as prof:
-        for _ in range(2):
+        for _ in range(steps):
             step()
         if CUDA:
             torch.cuda.synchronize()
-    key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
-    print(f"--- {name}: top {PROFILE_TOP} ops by {key} (2 steps)")
-    print(prof.key_averages().table(sort_by=key, row_limit=PROFILE_TOP, max_name_column_width=60))
+    keys = ["self_cuda_time_total" if CUDA else "self_cpu_time_total"] + (["cpu_time_total"] if by_total else [])
+    for key in keys:
+        print(f"--- {name}: top {top} ops by {key} ({steps} steps)")
+        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
 TIMELINE = False  # --timeline: where one step's GPU sits idle (CUDA activity only, see `gpu_timeline`)
@@ -359,7 +370,19 @@ def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
             gc.unfreeze()
     print(f"  Python GC: {statistics.median(gc_s) * 1e3:.2f} ms per step (median), "
           f"{sum(gc_s) * 1e3:.1f} ms over {iters} steps, {spent['gen2']} full collections", flush=True)
-    out = {"times": times, "host_times": host, "gc_times": gc_s}
+    # back to back: as many steps again without waiting for the GPU between them, as a trainer
+    # runs its micro-batches: the host may queue a step's forward while the GPU still runs the
+    # last backward (an implementation that reads from the GPU inside a step cannot)
+    if CUDA:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    if CUDA:
+        torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - t0) / iters
+    print(f"  back to back: {back_to_back * 1e3:.1f} ms per step over {iters} steps", flush=True)
+    out = {"times": times, "host_times": host, "gc_times": gc_s, "back_to_back_s": back_to_back}
     if fwd_host:
         out["forward_host_times"] = fwd_host
         line = f"  forward + loss: queued by the host at {statistics.median(fwd_host) * 1e3:.1f} ms"
@@ -559,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                      **{f"{k[:-6]}_median_s": statistics.median(r[k])
                         for k in ("forward_host_times", "forward_gpu_times") if r.get(k)},
                      "tokens_per_s": args.seq / med,
+                     "back_to_back_step_s": r["back_to_back_s"],
+                     "tokens_per_s_back_to_back": args.seq / r["back_to_back_s"],
                      "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
                      "params": r["params"],
                      "spread_s": [min(r["times"]), max(r["times"])],
@@ -572,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         if r["variant"].startswith("hf_"):
             base = r
         r["vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        r["vs_hf_back_to_back"] = (r["tokens_per_s_back_to_back"] / base["tokens_per_s_back_to_back"]
+                                   if base else None)
     result = {
         "command": "python -m vlmrl.bench.train_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -582,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"train_gpu_{args.shape}.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps([[r["variant"], round(r["vs_hf"] or 0, 3)] for r in rows]))
+    print(json.dumps([[r["variant"], round(r["vs_hf"] or 0, 3), round(r["vs_hf_back_to_back"] or 0, 3)]
+                      for r in rows]))
     return 0
 
 

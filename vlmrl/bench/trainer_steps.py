@@ -10,6 +10,8 @@ kernels compile on first use; after that a step costs what it costs.
 
     python -m vlmrl.bench.trainer_steps --model qwen35_moe --steps 12 --out $OUT     (GPU)
     python -m vlmrl.bench.trainer_steps --model tiny --device cpu --steps 4          (CPU: the script's own check)
+    python -m vlmrl.bench.trainer_steps --model qwen35_moe --steps 8 --profile 25 --sync-debug --timeline --out $OUT
+                                    (then one more step per diagnostic: where a steady step's time goes)
 
 Reports per step: wall seconds, tokens, tokens/s, the number of graphs Dynamo has compiled
 so far and, with `hardware.cuda_graphs`, the CUDA graphs recorded so far (one set per token
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def batch(rng: random.Random, n: int, vocab: tuple[int, int], prompt: tuple[int, int],
@@ -53,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="200,600", help="prompt length range (tokens)")
     ap.add_argument("--response", default="64,1024", help="response length range (tokens)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the steps, profile one more step: the top N ops, and the trainer's phases")
+    ap.add_argument("--sync-debug", action="store_true", help="after the steps, list the host syncs of one step (CUDA)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="after the steps, where the GPU idles in one step (CUDA; the trace goes to --out)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args(argv)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -97,6 +105,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
                   f"graphs {rows[-1]['graphs_compiled']}"
                   + (f"  CUDA graphs recorded {replays['graphs']}" if replays else ""), flush=True)
+        diagnostics: dict[str, Any] = {}
+        if args.profile or args.sync_debug or args.timeline:  # one more batch, stepped once per diagnostic
+            from . import train_gpu
+
+            extra = batch(rng, args.samples, vocab, (lo_p, hi_p), (lo_r, hi_r))
+
+            def step() -> None:
+                trainer.train_step(extra)
+
+            if args.profile:
+                train_gpu.profile(step, "trainer step", top=args.profile, steps=1, by_total=True)
+            if args.sync_debug and args.device == "cuda":
+                diagnostics["sync_points"] = train_gpu.sync_points(step, "trainer step")
+            if args.timeline and args.device == "cuda":
+                diagnostics["timeline"] = train_gpu.gpu_timeline(step, "trainer-step", Path(args.out))
         steady = statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 2:])
         warmup = sum(max(r["seconds"] - r["tokens"] / steady, 0.0) for r in rows)
         result = {
@@ -106,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "model": args.model, "init_s": init_s, "steps": rows,
             "steady_tokens_per_s": steady, "warmup_s": warmup,
             "first_step_s": rows[0]["seconds"], "steady_step_s": statistics.median(r["seconds"] for r in rows[len(rows) // 2:]),
+            **diagnostics,
         }
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from ..algo import losses
 from ..config.schema import VlmrlConfig
@@ -222,17 +223,21 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ steps
     def _step(self, mbs: list[MicroBatch], loss_fn: Any) -> dict[str, float]:
-        for m in self.model:
-            m.train()
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run(self.model, mbs, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        # the phases are named for torch.profiler (record_function scopes: free when not profiling)
+        with record_function("vlmrl.forward_backward"):
+            for m in self.model:
+                m.train()
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs = self._run(self.model, mbs, loss_fn, forward_only=False)
+        with record_function("vlmrl.optimizer_step"):
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
         self.steps += 1
 
-        out = self._reduce_metrics(outputs)
-        out.update(self.observer.collect())
+        with record_function("vlmrl.metrics"):
+            out = self._reduce_metrics(outputs)
+            out.update(self.observer.collect())
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         out["update_skipped"] = float(not ok)
@@ -278,9 +283,11 @@ class MegatronTrainer:
         rollout's first optimizer step); without them the step is on-policy and the current
         logprobs, detached, are the old ones."""
         algo = self.cfg.algo
-        mbs = self._micro_batches(samples)
+        with record_function("vlmrl.micro_batches"):
+            mbs = self._micro_batches(samples)
         if self.ref_chunks is not None:
-            self._forward_logprobs(self.ref_chunks, mbs, "ref_logp")
+            with record_function("vlmrl.ref_logprobs"):
+                self._forward_logprobs(self.ref_chunks, mbs, "ref_logp")
         need_entropy = True
         max_len = self.cfg.rollout.max_new_tokens
 
