@@ -130,6 +130,9 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
         trainer.shutdown()
         ray.get([a.close.remote() for a in loop.engine_actors])
     loop.pool.close()
+    # the cluster's short socket-path link in /tmp went with it
+    ray_dir = str((tmp_path / "ray").resolve())
+    assert not [p for p in Path("/tmp").glob("vlmrl-ray-*") if p.is_symlink() and os.readlink(p) == ray_dir]
 
 
 def _hf_logprobs(path: Path, samples: list, cfg) -> list[torch.Tensor]:
