@@ -535,11 +535,14 @@ def test_weight_sync_bench_verifies_the_sync(tmp_path):
 
     from vlmrl.bench import weight_sync
 
-    # 1 MB buckets: many of them, so the engine loads each while the next one is prepared
+    # 1 MB buckets: many of them, so the engine loads each while the next one is prepared;
+    # both export modes, alternating (the engine ends on the second mode's last sync)
     assert weight_sync.main(["--model", "tiny", "--device", "cpu", "--repeats", "1", "--bucket-mb", "1",
-                             "--out", str(tmp_path)]) == 0
+                             "--compact-views", "both", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "weight_sync_tiny.json").read_text())["row"]
-    assert row["verified"] and row["weight_version"] == "v1" and row["phases"]["buckets"] >= 5
+    assert row["verified"] and row["weight_version"] == "v1c" and row["phases"]["buckets"] >= 5
+    assert set(row["by_mode"]) == {"views", "compact"} and row["compact_views"] is False
+    assert all(len(m["sync_s"]) == 1 and m["gb_per_s"] > 0 for m in row["by_mode"].values())
     assert row["logprob_max_abs_diff"] <= 1e-4 and row["bytes"] > 0
     # the engine moved to the new weights: far from what the old ones give the same tokens
     assert row["logprob_mean_abs_diff_old_weights"] > 100 * max(row["logprob_mean_abs_diff"], 1e-7)

@@ -10,6 +10,8 @@ tensors into its parameters, the last bucket carrying the weight version.
 
     python -m vlmrl.bench.weight_sync --model dense --device cuda --out $OUT
     python -m vlmrl.bench.weight_sync --model qwen35_moe --device cuda --out $OUT
+    python -m vlmrl.bench.weight_sync --model dense --device cuda --compact-views both --out $OUT
+                                    (views flattened as they are vs copied first, alternating)
     python -m vlmrl.bench.weight_sync --model tiny            (CPU: the script's own check)
 
 Models (random weights, written as an HF checkpoint so both sides load it as the loop does):
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                          "does not depend on it")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="more config overrides for the trainer (e.g. hardware.fused_kernels=false)")
+    ap.add_argument("--compact-views", choices=("no", "yes", "both"), default="no",
+                    help="colocated IPC: flatten views as they are (no, the trainer's default), copy each "
+                         "first (yes), or both, alternating sync by sync in one run (the row reports 'no')")
     ap.add_argument("--ckpt")
     ap.add_argument("--url-file")
     args = ap.parse_args(argv)
@@ -234,17 +239,32 @@ def main(argv: list[str] | None = None) -> int:
                 p.add_((noise * PERTURB * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
 
         bucket = args.bucket_mb << 20
-        times, phases, sent = [], [], 0
-        for i in range(args.repeats + 1):  # the first sync opens the connection: not timed
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            sent = worker.sync_weights([url], bucket, weight_version=f"v{i}")
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t0)
-                phases.append(worker.last_sync_phases)
+        modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compact_views]
+        times: dict[bool, list[float]] = {m: [] for m in modes}
+        phases: dict[bool, list[dict]] = {m: [] for m in modes}
+        sent, last = 0, ""
+        for i in range(args.repeats + 1):  # the first sync (of each mode) is not timed: it opens the connection
+            for m in modes:
+                worker.compact_views = m
+                last = f"v{i}" + ("c" if m else "")
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                sent = worker.sync_weights([url], bucket, weight_version=last)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times[m].append(time.perf_counter() - t0)
+                    phases[m].append(worker.last_sync_phases)
+
+        def median_phases(m: bool) -> dict:
+            med_m = statistics.median(times[m])
+            return phases[m][min(range(len(times[m])), key=lambda j: abs(times[m][j] - med_m))]
+
+        by_mode = {("compact" if m else "views"): {"sync_s": times[m], "median_s": statistics.median(times[m]),
+                                                   "gb_per_s": sent / statistics.median(times[m]) / 1e9,
+                                                   "phases": median_phases(m)} for m in modes}
+        head = modes[0]
         sample, engine_t, lp_trainer, version = engine_vs_trainer()
         worker._drop_engine_links()
         with torch.no_grad():  # the same tokens under the weights the engine started from
@@ -254,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         diff = float((lp_trainer - engine_t).abs().max())
         fresh = float((lp_trainer - engine_t).abs().mean())
         stale = float((lp_old - engine_t).abs().mean())
-        med = statistics.median(times)
+        med = statistics.median(times[head])
         row = {"model": args.model, "device": args.device, "dtype": args.dtype,
-               "params": sum(p.numel() for p in params),
-               "bytes": sent, "bucket_mb": args.bucket_mb, "sync_s": times, "median_s": med,
+               "params": sum(p.numel() for p in params), "compact_views": head,
+               "bytes": sent, "bucket_mb": args.bucket_mb, "sync_s": times[head], "median_s": med,
                "gb_per_s": sent / med / 1e9, "weight_version": version,
                "logprob_max_abs_diff": diff,
                "logprob_mean_abs_diff": fresh, "logprob_mean_abs_diff_old_weights": stale,
@@ -265,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                "criterion": (f"max <= {FP32_TOL}" if args.dtype == "float32" else
                              f"new <= {FLOOR_FACTOR} x same-weights floor and old >= {STALE_RATIO} x new"),
                # host seconds per phase of the median sync (TrainerWorker.last_sync_phases)
-               "phases": phases[min(range(len(times)), key=lambda j: abs(times[j] - med))]}
+               "phases": median_phases(head), **({"by_mode": by_mode} if len(modes) > 1 else {})}
         close = (diff <= FP32_TOL if args.dtype == "float32"
                  else fresh <= FLOOR_FACTOR * floor and stale >= STALE_RATIO * fresh)
-        ok = version == f"v{args.repeats}" and close
+        ok = version == last and close
         row["verified"] = ok
         result = {"command": "python -m vlmrl.bench.weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
                   "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -278,14 +298,18 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"weight_sync_{args.model}.json").write_text(json.dumps(result, indent=2))
         print(f"{args.model}: {sent / 1e9:.2f} GB in {med:.3f} s = {sent / med / 1e9:.1f} GB/s "
-              f"(syncs {', '.join(f'{t:.3f}' for t in times)} s); engine vs trainer logprobs after the sync: "
+              f"(syncs {', '.join(f'{t:.3f}' for t in times[head])} s); engine vs trainer logprobs after the sync: "
               f"max |diff| {diff:.2e}, mean {fresh:.2e}; vs the old weights: mean {stale:.2e}; "
               f"on identical weights before the sync: mean {floor:.2e}; "
               f"version {version}; verified {ok}",
               flush=True)
-        print("  host seconds by phase (the median sync): "
-              + ", ".join(f"{k} {v:.4f}" if k.endswith("_s") else f"{k} {v}" for k, v in row["phases"].items()),
-              flush=True)
+        for name, r in (by_mode.items() if len(modes) > 1 else [("", {"phases": row["phases"]})]):
+            if name:
+                print(f"  {name} mode: {r['gb_per_s']:.1f} GB/s (syncs {', '.join(f'{t:.3f}' for t in r['sync_s'])} s)",
+                      flush=True)
+            print("  host seconds by phase (the median sync): "
+                  + ", ".join(f"{k} {v:.4f}" if k.endswith("_s") else f"{k} {v}" for k, v in r["phases"].items()),
+                  flush=True)
         return 0 if ok else 1
     finally:
         if proc is not None:

@@ -25,6 +25,10 @@ from .placement import Placement
 class TrainerWorker:
     """Ray actor body: one Megatron rank."""
 
+    # a colocated IPC sync flattens views (q/k/v of a fused QKV, each expert's matrices) as
+    # they are; True copies each into storage of its own first, as other formats need
+    compact_views = False
+
     def __init__(self, cfg: VlmrlConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         from ..logging.console import quiet_from_env
 
@@ -157,8 +161,9 @@ class TrainerWorker:
             lap("barrier")
 
         try:
-            # the flattened IPC bucket copies each tensor's own bytes: views need no copy of their own
-            buckets_of = self.trainer.iter_hf_weights(bucket_bytes, compact=fmt != "ipc")
+            # the flattened IPC bucket copies each tensor's own bytes: views need no copy of their
+            # own (unless `compact_views` asks for one: the weight-sync bench measures both)
+            buckets_of = self.trainer.iter_hf_weights(bucket_bytes, compact=fmt != "ipc" or self.compact_views)
             for bucket, last in wt.with_last(buckets_of):
                 lap("gather_convert")
                 buckets += 1
