@@ -2,9 +2,9 @@
 
 A local cluster keeps everything inside the run dir: Ray's temp dir (sessions, logs,
 sockets) lives under `<run_dir>/ray`, reached through a short symlink in /tmp because
-Ray's unix socket paths must stay under ~107 bytes (removed when the cluster stops); authentication is off for the local
-cluster, so no token files are written outside it; the dashboard is off or bound to
-loopback. Only the cluster this job started is shut down. `cluster.address` joins an
+Ray's unix socket paths must stay under ~107 bytes (removed when the cluster stops);
+authentication is off for the local cluster, so no token files are written outside it; the
+dashboard is off or bound to loopback. Only the cluster this job started is shut down. `cluster.address` joins an
 external cluster instead (nothing is started or stopped there).
 """
 
@@ -78,8 +78,5 @@ def ray_cluster(cfg: VlmrlConfig, run_dir: str | os.PathLike) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
-        if started_link is not None:  # the short link is ours: nothing is left in /tmp after the job
-            with contextlib.suppress(OSError):
-                started_link.unlink()
         if started_link is not None and started_link.is_symlink():
             started_link.unlink()
