@@ -83,3 +83,31 @@ def test_trainer_step_on_cuda_is_the_per_token_mean(tiny_config, tiny_checkpoint
                                                timeout_s=600)[0]
     assert fast == cfg.model.lm.num_layers
     assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)
+
+
+def test_per_sample_attention_padded_for_cudnn_matches_unpadded():
+    """A causal sample padded at its end to `CUDNN_LEN_MULTIPLE` tokens (so cuDNN meets a
+    bounded set of lengths) attends as the unpadded sample does: outputs and q/k/v gradients
+    of the real tokens within bf16 rounding of one attention (2e-2), padding gets none."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vlmrl.models.attention import CUDNN_LEN_MULTIPLE, PackedSelfAttentionCore
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, num_query_groups=2,
+                            kv_channels=128, attention_dropout=0.0)
+    core = PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal)
+    torch.manual_seed(0)
+    n = 3 * CUDNN_LEN_MULTIPLE - 37
+    q = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(n, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(n, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16)
+    padded = core._sample(q, k, v)
+    grads_padded = torch.autograd.grad(padded, (q, k, v), dout)
+    plain = core._sdpa(q, k, v, None, True)
+    grads_plain = torch.autograd.grad(plain, (q, k, v), dout)
+    assert padded.shape == (n, 8, 128)
+    assert (padded.float() - plain.float()).abs().max() <= 2e-2
+    for a, b in zip(grads_padded, grads_plain):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * max(1.0, b.float().abs().max().item())

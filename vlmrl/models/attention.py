@@ -10,8 +10,10 @@ this module takes the THD tensors Megatron hands it ([t, heads, head_dim] when
   embedding, since its THD rope indexes a 1D table per sequence and cannot express
   per-token 3D positions.
 - `fused=True` (`hardware.fused_kernels`): the rotary step runs Inductor-compiled.
-- backend "sdpa": `varlen_attn` (flash) on CUDA in half precision, else one causal
-  `scaled_dot_product_attention` call per sample (exact in fp32 on CPU).
+- backend "sdpa": `varlen_attn` (flash) on CUDA in half precision for more than
+  `VARLEN_MIN_SAMPLES` samples, else one causal `scaled_dot_product_attention` call per
+  sample (exact in fp32 on CPU; on CUDA padded to a multiple of `CUDNN_LEN_MULTIPLE`
+  tokens, so cuDNN meets a bounded set of lengths).
 - backend "eager": explicit masked softmax, for debugging.
 - context parallelism: the rank's two zigzag chunks of each sample attend to the keys and
   values of the whole sample, all-gathered over the CP group (backward: reduce), with
@@ -164,6 +166,20 @@ class PackedSelfAttentionCore(MegatronModule):
                                                  enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)
 
+    def _sample(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention within one packed sample [n, heads, d]. On CUDA a causal sample is padded
+        at its end to a multiple of `CUDNN_LEN_MULTIPLE` tokens: cuDNN builds an execution plan
+        for every new sequence length (about 28 ms of host time per layer call, measured in
+        the trainer on an H200), and RL micro-batches bring new lengths every step. Padded
+        keys come after every real query, so the causal mask hides them; padded query rows
+        are dropped, and their zero output gradient gives the padding no gradient."""
+        n = q.shape[0]
+        padded = cudnn_padded_len(n) if q.is_cuda and self.causal and self.backend == "sdpa" else n
+        if padded == n:
+            return self._sdpa(q, k, v, None, self.causal)
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padded - n)) for x in (q, k, v))
+        return self._sdpa(q, k, v, None, True)[:n]
+
     def _varlen(self, q: Tensor, k: Tensor, v: Tensor, params: VLPackedSeqParams) -> Tensor | None:
         """Flash varlen attention (CUDA, half precision, no CP); None when unavailable."""
         if self.backend != "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
@@ -213,7 +229,7 @@ class PackedSelfAttentionCore(MegatronModule):
                 lay = p.layout() if isinstance(p, VLPackedSeqParams) else _plain_layout(p)
                 outs = []
                 for a, n in zip(lay["local_offsets"], lay["lens"]):
-                    outs.append(self._sdpa(query[a:a + n], key[a:a + n], value[a:a + n], None, self.causal))
+                    outs.append(self._sample(query[a:a + n], key[a:a + n], value[a:a + n]))
                 out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.reshape(out.shape[0], -1)
 
@@ -256,6 +272,14 @@ class PackedSelfAttentionCore(MegatronModule):
 # kernels) beats torch's varlen flash kernel (measured on an H200: one 4096-token sample
 # fwd+bwd 13 ms with cuDNN vs 25 ms varlen, bench/results/train_gpu.md).
 VARLEN_MIN_SAMPLES = 4
+# per-sample SDPA on CUDA pads a sample to a multiple of this many tokens: at most
+# max_tokens / 128 cuDNN plans per head shape (built once each) instead of one per length
+CUDNN_LEN_MULTIPLE = 128
+
+
+def cudnn_padded_len(n: int, multiple: int = CUDNN_LEN_MULTIPLE) -> int:
+    """`n` tokens rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
 
 
 @functools.cache
