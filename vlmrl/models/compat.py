@@ -213,10 +213,48 @@ def _without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
+def foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]],
+                    per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:
+    """megatron's multi-tensor L2 norm (the whole list's norm, a [1] float32 tensor) from
+    torch's foreach norm, on the tensors' device. megatron's own fallback turns every
+    tensor's norm into a Python float: one host sync per parameter (462 in a step of the
+    scaled Qwen3.5-MoE on an H200)."""
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """megatron's multi-tensor scale (dst = src * scale, casting to dst's dtype) as foreach
+    ops: in place when src is dst, else without megatron's fallback's temporary per tensor."""
+    src, dst = tensor_lists
+    if src is dst:
+        if scale != 1.0:
+            torch._foreach_mul_(dst, scale)
+        return
+    torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
+
+
+def _without_apex_multi_tensor() -> None:
+    """On every device: where neither TransformerEngine nor apex provides megatron's
+    multi-tensor kernels, its local fallbacks (grad norm, clipping, main -> model param
+    copies) become the foreach versions above."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, moptimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
 def apply() -> None:
-    """Install the CPU shims (idempotent; on CUDA only the TransformerEngine-absence fix)."""
+    """Install the CPU shims (idempotent; on CUDA only the TransformerEngine / apex-absence
+    fixes)."""
     global _APPLIED
     _without_transformer_engine()
+    _without_apex_multi_tensor()
     if _APPLIED or cuda_available():
         return
     # 1. `torch.empty(..., device=torch.cuda.current_device())` and friends allocate on CPU.

@@ -24,6 +24,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..models import compat
+from .trainer import use_fused_adam
+
 LATEST = "latest"
 LOOP_STATE = "loop.json"
 
@@ -88,6 +91,8 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     for i, chunk in enumerate(trainer.chunks):
         chunk.load_state_dict(state[f"model{i}" if len(trainer.chunks) > 1 else "model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
+    if compat.cuda_available():  # the loaded param groups carry the saved implementation flags
+        use_fused_adam(trainer.optimizer)
     meta = torch.load(path / "trainer.pt", weights_only=False)
     trainer.steps = meta["steps"]
     trainer.scheduler.load_state_dict(meta["scheduler"])

@@ -58,6 +58,31 @@ def cuda_graphs_in_training(cfg: VlmrlConfig) -> bool:
     return True
 
 
+def use_fused_adam(optimizer: Any) -> int:
+    """Run torch's Adam(W) under megatron's optimizer as torch's fused kernel; returns the
+    number of torch optimizers switched.
+
+    Without TransformerEngine or apex, megatron builds `torch.optim.AdamW` with torch's
+    default foreach implementation: six or so passes over the float32 parameters and
+    moments (66 ms a step for the 3.4B-parameter scaled Qwen3.5-MoE on an H200). The fused
+    implementation is one pass per tensor group with the same update rule. It keeps its
+    step counters on the parameters' device: counters that a checkpoint loaded onto the
+    host move there too (call this again after loading)."""
+    switched = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in [*inner.param_groups, inner.defaults]:
+            group["foreach"], group["fused"] = False, True
+        for param, state in inner.state.items():
+            step = state.get("step")
+            if torch.is_tensor(step) and step.device != param.device:
+                state["step"] = step.to(device=param.device, dtype=torch.float32)
+        switched += 1
+    return switched
+
+
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
@@ -147,7 +172,12 @@ class MegatronTrainer:
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=self._distributed_optimizer())
-        return get_megatron_optimizer(config, self.model, use_gloo_process_groups=False)
+        optimizer = get_megatron_optimizer(config, self.model, use_gloo_process_groups=False)
+        from ..models import compat
+
+        if compat.cuda_available():
+            use_fused_adam(optimizer)
+        return optimizer
 
     def _scheduler(self, total_steps: int) -> Any:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

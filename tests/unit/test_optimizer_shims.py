@@ -1,0 +1,68 @@
+"""The optimizer pieces vlmrl swaps in where TransformerEngine and apex are absent: the
+foreach grad norm and scale behind megatron's multi-tensor calls, and torch's fused Adam."""
+
+from __future__ import annotations
+
+import torch
+
+from vlmrl.models import compat
+from vlmrl.training.trainer import use_fused_adam
+
+
+def _tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in [(7,), (3, 5), (2, 2, 4), (1,)]]
+
+
+def test_foreach_l2_norm_is_the_norm_of_all_tensors():
+    ts = _tensors(0)
+    got, _ = compat.foreach_l2_norm(0, None, [ts], False)
+    assert got.shape == (1,) and got.dtype == torch.float32
+    assert torch.allclose(got[0], torch.linalg.vector_norm(torch.cat([t.flatten() for t in ts])), rtol=1e-6)
+
+
+def test_foreach_scale_copies_casts_and_scales_in_place():
+    src = _tensors(1)
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+    compat.foreach_scale(0, None, [src, dst], 1.0)
+    for s, d in zip(src, dst):
+        assert torch.equal(d, s.to(torch.bfloat16))
+    compat.foreach_scale(0, None, [src, dst], 0.5)
+    for s, d in zip(src, dst):
+        assert torch.equal(d, (s * 0.5).to(torch.bfloat16))
+    same = _tensors(2)
+    before = [t.clone() for t in same]
+    compat.foreach_scale(0, None, [same, same], 0.25)
+    for a, b in zip(same, before):
+        assert torch.equal(a, b * 0.25)
+
+
+def test_megatron_uses_the_foreach_versions_after_apply():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    compat.apply()
+    assert clip_grads.l2_norm_impl is compat.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is compat.foreach_scale
+    assert moptimizer.multi_tensor_scale_impl is compat.foreach_scale
+
+
+class _Wrapped:  # megatron's optimizers hold the torch one as `.optimizer`
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+
+def test_fused_adam_takes_the_steps_foreach_takes():
+    params = [[torch.nn.Parameter(t.clone()) for t in _tensors(3)] for _ in range(2)]
+    opts = [torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1) for p in params]
+    for step in range(3):
+        for i, (p, o) in enumerate(zip(params, opts)):
+            for t, g in zip(p, _tensors(10 + step)):
+                t.grad = g
+            o.step()
+            if step == 0 and i == 1:  # switch after the first step: existing state carries over
+                assert use_fused_adam(_Wrapped(o)) == 1
+                assert all(grp["fused"] and not grp["foreach"] for grp in o.param_groups)
+    for a, b in zip(*params):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert use_fused_adam(_Wrapped(torch.optim.SGD(params[0], lr=0.1))) == 0
