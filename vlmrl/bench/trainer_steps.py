@@ -47,6 +47,21 @@ def batch(rng: random.Random, n: int, vocab: tuple[int, int], prompt: tuple[int,
     return out
 
 
+def memory(device: str) -> dict[str, Any]:
+    """The caching allocator's figures since the last call: peak allocated, reserved, and its
+    retries (a retry frees every cached block and synchronises: a step near the memory limit
+    pays for it in time); the peak is reset for the next step."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    s = torch.cuda.memory_stats()
+    torch.cuda.reset_peak_memory_stats()
+    return {"peak_allocated_gib": s["allocated_bytes.all.peak"] / 2**30,
+            "reserved_gib": s["reserved_bytes.all.current"] / 2**30,
+            "alloc_retries": int(s["num_alloc_retries"]), "device_allocs": int(s.get("num_device_alloc", 0))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen35_moe", help="a model of vlmrl.bench.weight_sync (dense, qwen35_moe, tiny, ...)")
@@ -99,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
             sec = time.perf_counter() - t
             replays = cuda_graph_stats() if trainer.cuda_graphs else None
+            mem = memory(args.device)
             rows.append({"step": step, "seconds": sec, "tokens": tokens, "tokens_per_s": tokens / sec,
                          "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
-                         "cuda_graphs": replays, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")})
+                         "cuda_graphs": replays, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+                         **mem})
             print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
                   f"graphs {rows[-1]['graphs_compiled']}"
-                  + (f"  CUDA graphs recorded {replays['graphs']}" if replays else ""), flush=True)
+                  + (f"  CUDA graphs recorded {replays['graphs']}" if replays else "")
+                  + (f"  peak {mem['peak_allocated_gib']:.1f} GiB, reserved {mem['reserved_gib']:.1f} GiB, "
+                     f"allocator retries {mem['alloc_retries']}" if mem else ""), flush=True)
         diagnostics: dict[str, Any] = {}
         if args.profile or args.sync_debug or args.timeline:  # one more batch, stepped once per diagnostic
             from . import train_gpu
