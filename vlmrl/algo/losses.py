@@ -164,7 +164,9 @@ def aggregate(
         numerator = x.sum()
     if normaliser is None:
         normaliser = loss_normaliser(loss_mask, cu_seqlens, mode, max_response_len)
-    denom = torch.as_tensor(normaliser, dtype=numerator.dtype, device=numerator.device).detach()
+    if not torch.is_tensor(normaliser):  # a host number: no tensor to copy to the device
+        return numerator / normaliser if normaliser > 0 else numerator
+    denom = normaliser.to(dtype=numerator.dtype, device=numerator.device).detach()
     return numerator / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 

@@ -11,7 +11,7 @@ fixed number of samples).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -64,10 +64,28 @@ class MicroBatch:
     num_samples: int
     whole: PackedSequence  # the whole packed micro-batch (all CP shares), for unpacking
     extras: dict[str, Tensor] = field(default_factory=dict)  # e.g. old / ref logprobs
+    staged_cu_seqlens: Tensor | None = None  # the loss's copy of cu_seqlens on the device (`staged`)
 
     @property
     def cu_seqlens(self) -> Tensor:
-        return self.packed.local_cu_seqlens
+        return self.staged_cu_seqlens if self.staged_cu_seqlens is not None else self.packed.local_cu_seqlens
+
+    def staged(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with the loss's per-token tensors and sample offsets on `device`
+        (the model's inputs stay with `packed`). On CUDA they go through pinned memory
+        without blocking: copied from pageable memory inside the loss, after each forward,
+        every copy waited for the GPU's queue to drain."""
+        def move(t: Tensor) -> Tensor:
+            if t.device == device:
+                return t
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return replace(self, targets=move(self.targets), loss_mask=move(self.loss_mask),
+                       advantages=move(self.advantages), rollout_logp=move(self.rollout_logp),
+                       extras={k: move(v) for k, v in self.extras.items()},
+                       staged_cu_seqlens=move(self.packed.local_cu_seqlens))
 
 
 def _place(values: list[float] | None, mask: Tensor) -> Tensor:

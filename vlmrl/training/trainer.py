@@ -198,11 +198,14 @@ class MegatronTrainer:
                              micro_batch_size=p.micro_batch_size)
 
     def _micro_batches(self, samples: Sequence[TrainSample], groups: list[list[int]] | None = None) -> list[MicroBatch]:
+        from ..models import compat
+
         p, m = self.cfg.parallel, self.model_cfg
+        dev = compat.device()
         return [build_micro_batch([samples[i] for i in g], image_token_id=m.image_token_id,
                                   spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
                                   cp_rank=self.info.cp_rank, sp_size=self.info.tp_size if p.sequence_parallel else 1,
-                                  bucket=self.cuda_graphs)
+                                  bucket=self.cuda_graphs).staged(dev)
                 for g in (groups if groups is not None else self._groups(samples))]
 
     def _vocab_start(self, logits: Tensor) -> int:
