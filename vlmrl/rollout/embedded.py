@@ -150,6 +150,9 @@ class EmbeddedEngine:
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # name -> parameter, for weight updates (built once: a state_dict walk per bucket
+        # is host time in every sync; rebuilt after the weights move to or from the host)
+        self._params: dict[str, Any] | None = None
         cfg = self.model.config
         self.image_token_id = int(cfg.image_token_id)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
@@ -429,8 +432,10 @@ class EmbeddedEngine:
             raise EngineError("the weights' memory is released; resume it (tags=['weights']) before "
                               "updating them", retryable=False, status=400)
         family = families.get(families.family_of_hf(self.model.config))
-        params = self.model.state_dict(keep_vars=True)
         with self._lock, torch.no_grad():
+            if self._params is None:
+                self._params = self.model.state_dict(keep_vars=True)
+            params = self._params
             for name, value in named_tensors:
                 module_name, index = family.module_slot(name)
                 target = params.get(module_name, params.get(name))
@@ -486,6 +491,7 @@ class EmbeddedEngine:
                 self._prompt_cache.clear()
             if "weights" in tags and self.device.type == "cuda":
                 self.model.to("cpu")
+                self._params = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -497,6 +503,7 @@ class EmbeddedEngine:
                                  f"(released: {sorted(self.released_tags)})")
             if "weights" in tags and self.device.type == "cuda":
                 self.model.to(self.device)
+                self._params = None
             self.released_tags.difference_update(tags)
 
     async def flush_cache(self) -> None:
