@@ -75,12 +75,10 @@ class MicroBatch:
         (the model's inputs stay with `packed`). On CUDA they go through pinned memory
         without blocking: copied from pageable memory inside the loss, after each forward,
         every copy waited for the GPU's queue to drain."""
+        from ..models.compat import to_device
+
         def move(t: Tensor) -> Tensor:
-            if t.device == device:
-                return t
-            if device.type == "cuda":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return to_device(t, device)
 
         return replace(self, targets=move(self.targets), loss_mask=move(self.loss_mask),
                        advantages=move(self.advantages), rollout_logp=move(self.rollout_logp),
