@@ -6,7 +6,9 @@ Megatron assumes CUDA in a handful of spots that matter to us: tensors allocated
 the MoE router when TransformerEngine is absent, and the side stream on which the MoE
 all-to-all dispatcher copies its split sizes to the host. `apply()` patches exactly those, and only
 for CPU processes; on GPUs it changes nothing, so the same code runs with NCCL.
-Keep every CUDA-only workaround in this module.
+Keep every CUDA-only workaround in this module. On every device it also fills in what
+megatron expects from TransformerEngine or apex where neither is installed: the router's
+GEMM name, and multi-tensor norm / scale kernels whose local fallbacks sync the host.
 
 A process computes on the CPU when no GPU is visible or when its process group is gloo
 (`hardware=cpu` on a machine that has GPUs: the gloo ranks stay on the CPU).
