@@ -77,13 +77,11 @@ class MicroBatch:
         every copy waited for the GPU's queue to drain."""
         from ..models.compat import to_device
 
-        def move(t: Tensor) -> Tensor:
-            return to_device(t, device)
-
-        return replace(self, targets=move(self.targets), loss_mask=move(self.loss_mask),
-                       advantages=move(self.advantages), rollout_logp=move(self.rollout_logp),
-                       extras={k: move(v) for k, v in self.extras.items()},
-                       staged_cu_seqlens=move(self.packed.local_cu_seqlens))
+        return replace(self, targets=to_device(self.targets, device), loss_mask=to_device(self.loss_mask, device),
+                       advantages=to_device(self.advantages, device),
+                       rollout_logp=to_device(self.rollout_logp, device),
+                       extras={k: to_device(v, device) for k, v in self.extras.items()},
+                       staged_cu_seqlens=to_device(self.packed.local_cu_seqlens, device))
 
 
 def _place(values: list[float] | None, mask: Tensor) -> Tensor:
