@@ -236,6 +236,36 @@ def test_weight_update_release_resume(engine, images):
     assert restored.output_ids == before.output_ids and restored.logprobs == before.logprobs
 
 
+def test_weight_update_is_all_or_nothing_and_casts(engine):
+    """A bucket naming an unknown tensor or a wrong shape anywhere in it is refused before any
+    weight changes; a good bucket's tensors are copied by name (an fp32 value cast to the
+    engine's dtype), a routed expert's into its slice of the fused parameter."""
+    from vlmrl.models import families
+    from vlmrl.models.names import to_checkpoint
+
+    family = families.family_of_hf(engine.model.config)
+    ckpt = to_checkpoint(engine.model.state_dict(), family)
+    names = [n for n in ckpt if ".layers.0." in n][:4]
+    if family == "qwen3_5_moe":
+        names.append(next(n for n in ckpt if ".mlp.experts.1.down_proj.weight" in n))
+    originals = {n: ckpt[n].clone() for n in names}
+    new = [(n, torch.full(t.shape, 0.25 + i, dtype=torch.float32)) for i, (n, t) in enumerate(originals.items())]
+    bad_shape = [*new[:-1], (new[-1][0], torch.zeros(*new[-1][1].shape, 2))]
+    try:
+        with pytest.raises(EngineError, match="shape mismatch"):
+            asyncio.run(engine.update_weights_from_tensor(bad_shape))
+        with pytest.raises(EngineError, match="unknown parameter"):
+            asyncio.run(engine.update_weights_from_tensor([*new, ("model.no_such.weight", torch.zeros(1))]))
+        now = to_checkpoint(engine.model.state_dict(), family)
+        assert all(torch.equal(now[n], t) for n, t in originals.items())  # nothing copied
+        asyncio.run(engine.update_weights_from_tensor(new))
+        now = to_checkpoint(engine.model.state_dict(), family)
+        for n, t in new:
+            assert now[n].dtype == originals[n].dtype and torch.equal(now[n], t.to(now[n].dtype))
+    finally:
+        asyncio.run(engine.update_weights_from_tensor(list(originals.items())))
+
+
 def test_ray_actor(family_checkpoint, monkeypatch, engine, images):
     ray = pytest.importorskip("ray")
     from vlmrl.rollout.embedded import RayEngine, create_embedded_actor

@@ -535,13 +535,17 @@ def test_weight_sync_bench_verifies_the_sync(tmp_path):
 
     from vlmrl.bench import weight_sync
 
-    # 1 MB buckets: many of them, so the engine loads each while the next one is prepared;
-    # both export modes, alternating (the engine ends on the second mode's last sync)
-    assert weight_sync.main(["--model", "tiny", "--device", "cpu", "--repeats", "1", "--bucket-mb", "1",
+    # 1 and 2 MB buckets: many of them, so the engine loads each while the next one is
+    # prepared; both export modes and both sizes, alternating (the engine ends on the last
+    # variant's last sync)
+    assert weight_sync.main(["--model", "tiny", "--device", "cpu", "--repeats", "1", "--bucket-mb", "1,2",
                              "--compact-views", "both", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "weight_sync_tiny.json").read_text())["row"]
-    assert row["verified"] and row["weight_version"] == "v1c" and row["phases"]["buckets"] >= 5
-    assert set(row["by_mode"]) == {"views", "compact"} and row["compact_views"] is False
+    assert row["verified"] and row["weight_version"] == "v1c-2" and row["phases"]["buckets"] >= 5
+    assert set(row["by_mode"]) == {f"{m}, {mb} MiB buckets" for m in ("views", "compact") for mb in (1, 2)}
+    assert row["compact_views"] is False and row["bucket_mb"] == 1
+    buckets = {k: m["phases"]["buckets"] for k, m in row["by_mode"].items()}
+    assert buckets["views, 1 MiB buckets"] > buckets["views, 2 MiB buckets"]
     assert all(len(m["sync_s"]) == 1 and m["gb_per_s"] > 0 for m in row["by_mode"].values())
     assert row["logprob_max_abs_diff"] <= 1e-4 and row["bytes"] > 0
     # the engine moved to the new weights: far from what the old ones give the same tokens

@@ -571,6 +571,53 @@ def test_flattened_bucket_roundtrip_is_aligned_views():
     assert set(vars(meta[0])) == {"name", "shape", "dtype", "start_idx", "end_idx", "numel"}
 
 
+def test_unflatten_reads_a_layout_it_did_not_write():
+    """Another producer's flattened bucket may order its tensors differently and leave gaps
+    between them: every tensor is read from its own byte range, and a range that does not
+    fit its shape is refused."""
+    import types
+
+    import torch
+
+    from vlmrl.rollout.weights import unflatten_bucket
+
+    a = torch.arange(6, dtype=torch.bfloat16).view(2, 3)
+    b = torch.linspace(-1, 1, 3, dtype=torch.float32)
+    c = torch.ones(2, dtype=torch.bfloat16)
+    flat = torch.zeros(40, dtype=torch.uint8)
+    spans = [("a", a, 0), ("b", b, 16), ("c", c, 28)]  # gaps at 12-16 and 32-40; bf16, fp32, bf16
+    meta = []
+    for name, t, at in spans:
+        size = t.numel() * t.element_size()
+        flat[at:at + size] = t.reshape(-1).view(torch.uint8)
+        meta.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=at,
+                                          end_idx=at + size, numel=size))
+    back = dict(unflatten_bucket({"flattened_tensor": flat, "metadata": meta}))
+    for name, t, _ in spans:
+        assert back[name].shape == t.shape and torch.equal(back[name], t)
+    meta[1].end_idx -= 4
+    with pytest.raises(RuntimeError):
+        unflatten_bucket({"flattened_tensor": flat, "metadata": meta})
+
+
+def test_copy_grouped_is_copy_per_pair():
+    """The batched copy (weight sync's engine side) does what copy_ does pair by pair: strided
+    sources, casts and mixed dtypes in one call."""
+    import torch
+
+    from vlmrl.rollout.weights import copy_grouped
+
+    base = torch.randn(8, 6)
+    src = [torch.randn(3, 4), base[:, :3], base.t(), torch.randn(5, dtype=torch.bfloat16), torch.randn(2, 2)]
+    dst = [torch.zeros(3, 4), torch.zeros(8, 3), torch.zeros(6, 8), torch.zeros(5, dtype=torch.bfloat16),
+           torch.zeros(2, 2, dtype=torch.bfloat16)]
+    copy_grouped(dst, src)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s.to(d.dtype))
+    with pytest.raises(ValueError):  # a pair missing
+        copy_grouped(dst, src[:-1])
+
+
 @pytest.mark.skipif(not os.environ.get("VLMRL_SGLANG_WHEEL"), reason="set VLMRL_SGLANG_WHEEL=sglang-*.whl")
 def test_flattened_bucket_is_what_sglang_reconstructs():
     """SGLang's own FlattenedTensorBucket (read from the wheel) rebuilds vlmrl's flattened

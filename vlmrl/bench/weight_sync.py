@@ -12,6 +12,8 @@ tensors into its parameters, the last bucket carrying the weight version.
     python -m vlmrl.bench.weight_sync --model qwen35_moe --device cuda --out $OUT
     python -m vlmrl.bench.weight_sync --model dense --device cuda --compact-views both --out $OUT
                                     (views flattened as they are vs copied first, alternating)
+    python -m vlmrl.bench.weight_sync --model dense --device cuda --bucket-mb 1024,2048,512 --out $OUT
+                                    (bucket sizes, alternating)
     python -m vlmrl.bench.weight_sync --model tiny            (CPU: the script's own check)
 
 Models (random weights, written as an HF checkpoint so both sides load it as the loop does):
@@ -179,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--bucket-mb", default="1024",
+                    help="bucket size in MiB; several, comma-separated, alternate sync by sync in one run "
+                         "(the row reports the first)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--gdn-backend", default=None, choices=("torch", "fla"),
@@ -238,30 +242,32 @@ def main(argv: list[str] | None = None) -> int:
                 noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
                 p.add_((noise * PERTURB * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
 
-        bucket = args.bucket_mb << 20
-        modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compact_views]
-        times: dict[bool, list[float]] = {m: [] for m in modes}
-        phases: dict[bool, list[dict]] = {m: [] for m in modes}
+        sizes_mb = [int(x) for x in str(args.bucket_mb).split(",")]
+        # variants (compact views?, bucket MiB), run in turn sync by sync
+        modes = [(c, mb) for c in {"no": [False], "yes": [True], "both": [False, True]}[args.compact_views]
+                 for mb in sizes_mb]
+        times: dict[tuple, list[float]] = {m: [] for m in modes}
+        phases: dict[tuple, list[dict]] = {m: [] for m in modes}
         sent, last = 0, ""
         for i in range(args.repeats + 1):  # the first sync (of each mode) is not timed: it opens the connection
             for m in modes:
-                worker.compact_views = m
-                last = f"v{i}" + ("c" if m else "")
+                worker.compact_views = m[0]
+                last = f"v{i}" + ("c" if m[0] else "") + f"-{m[1]}"
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                sent = worker.sync_weights([url], bucket, weight_version=last)
+                sent = worker.sync_weights([url], m[1] << 20, weight_version=last)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 if i:
                     times[m].append(time.perf_counter() - t0)
                     phases[m].append(worker.last_sync_phases)
 
-        def median_phases(m: bool) -> dict:
+        def median_phases(m: tuple) -> dict:
             med_m = statistics.median(times[m])
             return phases[m][min(range(len(times[m])), key=lambda j: abs(times[m][j] - med_m))]
 
-        by_mode = {("compact" if m else "views"): {"sync_s": times[m], "median_s": statistics.median(times[m]),
+        by_mode = {f"{'compact' if m[0] else 'views'}, {m[1]} MiB buckets": {"sync_s": times[m], "median_s": statistics.median(times[m]),
                                                    "gb_per_s": sent / statistics.median(times[m]) / 1e9,
                                                    "phases": median_phases(m)} for m in modes}
         head = modes[0]
@@ -276,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         stale = float((lp_old - engine_t).abs().mean())
         med = statistics.median(times[head])
         row = {"model": args.model, "device": args.device, "dtype": args.dtype,
-               "params": sum(p.numel() for p in params), "compact_views": head,
-               "bytes": sent, "bucket_mb": args.bucket_mb, "sync_s": times[head], "median_s": med,
+               "params": sum(p.numel() for p in params), "compact_views": head[0],
+               "bytes": sent, "bucket_mb": head[1], "sync_s": times[head], "median_s": med,
                "gb_per_s": sent / med / 1e9, "weight_version": version,
                "logprob_max_abs_diff": diff,
                "logprob_mean_abs_diff": fresh, "logprob_mean_abs_diff_old_weights": stale,

@@ -156,7 +156,8 @@ class TrainerWorker:
             if post is not None:
                 post.result()
             lap("engines")
-            dist.barrier()  # the engines have read every rank's copy: the bucket may go
+            if dist.get_world_size() > 1:
+                dist.barrier()  # the engines have read every rank's copy: the bucket may go
             alive.clear()
             lap("barrier")
 

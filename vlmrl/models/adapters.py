@@ -166,7 +166,8 @@ def to_hf(model: ModelConfig, rule: Rule, shards: Sequence[Tensor]) -> list[Tens
     if rule.kind == "gdn_qkv":
         return [_gdn_ungroup(model, _join(shards, 0))]
     if rule.kind == "experts_gate_up":  # shards: expert-parallel ranks in order, [E_r, 2I, H] each
-        return [half for e in _join(shards, 0) for half in e.chunk(2, 0)]
+        experts = _join(shards, 0)  # -> [gate_0, up_0, gate_1, up_1, ...] in one unbind
+        return list(experts.reshape(2 * experts.shape[0], experts.shape[1] // 2, *experts.shape[2:]).unbind(0))
     if rule.kind == "experts_down":
         return list(_join(shards, 0).unbind(0))
     raise ValueError(rule.kind)

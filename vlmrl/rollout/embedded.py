@@ -55,6 +55,7 @@ from .protocol import (
     bucketize,
     memory_tags,
 )
+from .weights import copy_grouped
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,10 @@ class EmbeddedEngine:
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        # name -> parameter, for weight updates (built once: a state_dict walk per bucket
-        # is host time in every sync; rebuilt after the weights move to or from the host)
-        self._params: dict[str, Any] | None = None
+        # checkpoint name -> the tensor a weight update copies into (a parameter, or a slice of
+        # a fused one), resolved at its first update: resolving every name in every sync is
+        # host time; forgotten when the weights move to or from the host
+        self._targets: dict[str, Any] | None = None
         cfg = self.model.config
         self.image_token_id = int(cfg.image_token_id)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
@@ -431,21 +433,29 @@ class EmbeddedEngine:
         if "weights" in self.released_tags:
             raise EngineError("the weights' memory is released; resume it (tags=['weights']) before "
                               "updating them", retryable=False, status=400)
-        family = families.get(families.family_of_hf(self.model.config))
         with self._lock, torch.no_grad():
-            if self._params is None:
-                self._params = self.model.state_dict(keep_vars=True)
-            params = self._params
+            if self._targets is None:
+                self._targets = {}
+            targets, params, family = self._targets, None, None
+            dst, src = [], []
             for name, value in named_tensors:
-                module_name, index = family.module_slot(name)
-                target = params.get(module_name, params.get(name))
+                target = targets.get(name)
                 if target is None:
-                    raise EngineError(f"unknown parameter {name!r}", retryable=False, status=400)
-                target = target.data if index is None else family.take(target.data, index)
-                if tuple(target.shape) != tuple(value.shape):
+                    if params is None:
+                        params = self.model.state_dict(keep_vars=True)
+                        family = families.get(families.family_of_hf(self.model.config))
+                    module_name, index = family.module_slot(name)
+                    target = params.get(module_name, params.get(name))
+                    if target is None:
+                        raise EngineError(f"unknown parameter {name!r}", retryable=False, status=400)
+                    target = targets[name] = target.data if index is None else family.take(target.data, index)
+                if target.shape != value.shape:
                     raise EngineError(f"shape mismatch for {name}: engine {tuple(target.shape)}, "
                                       f"sent {tuple(value.shape)}", retryable=False, status=400)
-                target.copy_(value.to(device=target.device, dtype=target.dtype))
+                dst.append(target)
+                src.append(value)
+            # every shape is checked before anything is copied: a bad bucket changes no weight
+            copy_grouped(dst, src)
             self._prompt_cache.clear()
 
     # ----------------------------------------------------------------- Engine protocol
@@ -491,7 +501,7 @@ class EmbeddedEngine:
                 self._prompt_cache.clear()
             if "weights" in tags and self.device.type == "cuda":
                 self.model.to("cpu")
-                self._params = None
+                self._targets = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -503,7 +513,7 @@ class EmbeddedEngine:
                                  f"(released: {sorted(self.released_tags)})")
             if "weights" in tags and self.device.type == "cuda":
                 self.model.to(self.device)
-                self._params = None
+                self._targets = None
             self.released_tags.difference_update(tags)
 
     async def flush_cache(self) -> None:

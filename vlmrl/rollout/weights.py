@@ -86,12 +86,70 @@ def flat_layout(entries: Iterable[tuple[str, Any, Any]]) -> list[Any]:
     return out
 
 
-def _flat_bytes(tensors: Iterable[Any]) -> Any:
-    """The tensors' bytes end to end in one uint8 tensor (the layout of `flat_layout`)."""
+def _runs(layout: Sequence[Any]) -> Iterator[tuple[int, int]]:
+    """[i, j) ranges of `layout` entries of one dtype laid end to end."""
+    i, n = 0, len(layout)
+    while i < n:
+        j = i + 1
+        while j < n and layout[j].dtype == layout[i].dtype and layout[j].start_idx == layout[j - 1].end_idx:
+            j += 1
+        yield i, j
+        i = j
+
+
+def _run_view(flat: Any, layout: Sequence[Any], i: int, j: int) -> Any:
+    """The bytes of entries [i, j) of one `_runs` range, as one tensor of their dtype."""
+    return flat[layout[i].start_idx:layout[j - 1].end_idx].view(layout[i].dtype)
+
+
+def _flat_views(flat: Any, layout: Sequence[Any]) -> list[Any]:
+    """A view of `flat` (uint8) for every entry of `layout` (`flat_layout`'s fields), each in
+    its dtype and shape: one split per run of one dtype, then one reshape each. Raises
+    (torch's error) when an entry's byte range does not fit its shape or is not aligned to
+    its element size."""
+    out: list[Any] = []
+    for i, j in _runs(layout):
+        dt = layout[i].dtype
+        parts = _run_view(flat, layout, i, j).split([(m.end_idx - m.start_idx) // dt.itemsize for m in layout[i:j]])
+        out.extend(part.view(m.shape) for m, part in zip(layout[i:j], parts))
+    return out
+
+
+def copy_grouped(dst: Sequence[Any], src: Sequence[Any]) -> None:
+    """dst[i].copy_(src[i]) for every i, batched: torch's foreach copy per (dtype, device)
+    group, so that pairs of contiguous tensors of one dtype go through one multi-tensor
+    kernel instead of one launch (and one Python call) each; any other pair (a strided view,
+    a cast, another device) takes foreach's per-tensor path, in C++."""
     import torch
 
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    groups: dict[tuple[Any, ...], tuple[list[Any], list[Any]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        fast = d.dtype == s.dtype and d.device == s.device and d.is_contiguous() and s.is_contiguous()
+        key = (d.dtype, s.dtype, d.device, s.device, fast)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([], [])
+        group[0].append(d)
+        group[1].append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def _flat_bytes(tensors: Sequence[Any], layout: Sequence[Any] | None = None) -> Any:
+    """The tensors' bytes end to end in one uint8 tensor (the layout of `flat_layout`): one
+    concatenation per run of one dtype, written in place (a view is read as it is, a strided
+    one copied once more by its reshape)."""
+    import torch
+
+    if layout is None:
+        layout = flat_layout((f"{i}", t.shape, t.dtype) for i, t in enumerate(tensors))
+    if not layout:
+        return torch.empty(0, dtype=torch.uint8)
+    flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8, device=tensors[0].device)
+    with torch.no_grad():
+        for i, j in _runs(layout):
+            torch.cat([t.reshape(-1) for t in tensors[i:j]], out=_run_view(flat, layout, i, j))
+    return flat
 
 
 def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict[str, Any]:
@@ -100,14 +158,14 @@ def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     element size), and its `flat_layout`. One CUDA-IPC handle per bucket instead of one per
     tensor: opening a handle costs the engine far more than copying a tensor."""
     ordered = order_for_flattening(bucket)
-    return {"flattened_tensor": _flat_bytes(t for _, t in ordered),
-            "metadata": flat_layout((n, t.shape, t.dtype) for n, t in ordered)}
+    layout = flat_layout((n, t.shape, t.dtype) for n, t in ordered)
+    return {"flattened_tensor": _flat_bytes([t for _, t in ordered], layout), "metadata": layout}
 
 
 def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, Any]]:
     """Inverse of `flatten_bucket`: views into the flat tensor, no copies."""
-    flat = bucket["flattened_tensor"]
-    return [(str(m.name), flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in bucket["metadata"]]
+    meta = bucket["metadata"]
+    return [(str(m.name), t) for m, t in zip(meta, _flat_views(bucket["flattened_tensor"], meta))]
 
 
 def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str, keep: list | None = None) -> str:
@@ -261,7 +319,7 @@ def broadcast_bucket(group: Any, bucket: Sequence[tuple[str, Any]], *, flattened
     through `order_for_flattening` first, and the same order to the engines)."""
 
     if flattened:
-        _broadcast(_flat_bytes(t for _, t in bucket), group)
+        _broadcast(_flat_bytes([t for _, t in bucket]), group)
         return
     for _, t in bucket:
         _broadcast(t.detach().contiguous(), group)
@@ -379,8 +437,11 @@ def gather_rank_payloads(mine: str | None, sources: Sequence[Sequence[int]], gro
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0, group=group)
+    if dist.get_world_size(group) == 1:  # nothing to gather (a gather of objects syncs the device)
+        gathered: list[Any] | None = [mine]
+    else:
+        gathered = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=group)
     if gathered is None:
         return None
     out = []
