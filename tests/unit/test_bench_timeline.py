@@ -29,3 +29,56 @@ def test_idle_gaps_without_a_marker_or_activity():
     assert idle_gaps([], MARKER_KERNEL)["idle_us"] == 0.0
     r = idle_gaps([(0.0, 5.0, "a"), (5.0, 9.0, "b")], MARKER_KERNEL)
     assert r["idle_us"] == 0.0 and r["busy_us"] == pytest.approx(9.0) and "forward_span_us" not in r
+
+
+def test_kernels_are_grouped_by_kind_from_their_names():
+    """Real kernel names from H200 timelines fall into the kinds the bench reports."""
+    from vlmrl.bench.train_gpu import kernel_kind
+
+    names = {
+        "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal":
+            "grouped GEMM",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "GEMM",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x64x8_stage3": "GEMM",
+        "triton_red_fused__log_softmax__log_softmax_backward_data__to_copy_2": "softmax / log-softmax (loss)",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float>":
+            "softmax / log-softmax (loss)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "tilelang_fused_chunk_gdr_bwd_kernel_kernel": "Gated DeltaNet (fla / FlashQLA)",
+        "causal_conv1d_bwd_kernel": "short convolution",
+        "void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel_generic": "short convolution",
+        "triton_per_fused__to_copy_add_index_select_mul_sigmoid_sum_unsqueeze_view_10":
+            "gather / scatter / sort (MoE dispatch and combine, embedding)",
+        "void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel":
+            "gather / scatter / sort (MoE dispatch and combine, embedding)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::x>":
+            "multi-tensor (optimizer, grad accumulation)",
+        "Memcpy DtoD (Device -> Device)": "copies and fills",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>": "copies and fills",
+        "triton_poi_fused_mul_silu_split_8": "other compiled (Inductor)",
+        "void at::native::elementwise_kernel<128, 4, at::native::BinaryFunctor<float>>":
+            "other eager elementwise / reductions",
+        "spin_kernel": "other",
+    }
+    assert {n: kernel_kind(n) for n in names} == names
+
+
+def test_summarize_reads_a_saved_timeline(tmp_path, capsys):
+    """`--summarize` reads a saved chrome trace: span, busy and idle time, and GPU time by
+    kind summed over kernels (host events are ignored)."""
+    import gzip
+    import json
+
+    from vlmrl.bench.train_gpu import main
+
+    events = [{"ph": "X", "cat": "kernel", "name": "nvjet_a", "ts": 0, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_b", "ts": 150, "dur": 50},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 200, "dur": 10},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    path = tmp_path / "timeline-1-x.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    assert main(["--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in out.splitlines()[1:]}
+    assert rows == {"step span (ms)": 0.21, "GPU busy (ms)": 0.16, "GPU idle (ms)": 0.05, "GEMM": 0.15,
+                    "copies and fills": 0.01}

@@ -199,6 +199,72 @@ def idle_gaps(kernels: list[tuple[float, float, str]], marker: str | None = None
     return out
 
 
+# (kind, substrings of a GPU kernel's name, any of them, case-insensitive), first match wins
+KERNEL_KINDS = (
+    ("grouped GEMM", ("grouped", "enable_3x_kernel_for_sm9x")),  # torch's grouped mm (CUTLASS 3)
+    ("GEMM", ("nvjet", "gemm")),
+    ("softmax / log-softmax (loss)", ("softmax",)),
+    ("attention", ("flash", "sdpa", "fmha")),
+    ("Gated DeltaNet (fla / FlashQLA)", ("tilelang", "gated_delta", "chunk_gdr", "fused_recurrent")),
+    ("short convolution", ("conv",)),
+    ("gather / scatter / sort (MoE dispatch and combine, embedding)", ("index", "gather", "scatter", "radix",
+                                                                       "sort", "histc", "bincount")),
+    ("multi-tensor (optimizer, grad accumulation)", ("multi_tensor",)),
+    ("copies and fills", ("memcpy", "memset", "copy_kernel", "fillfunctor")),
+    ("other compiled (Inductor)", ("triton_",)),
+    ("other eager elementwise / reductions", ("elementwise", "reduce_kernel")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The `KERNEL_KINDS` kind of a GPU kernel's name ("other" when none matches): a rough
+    grouping by name, enough to say where a step's GPU time goes."""
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_time_by_kind(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """GPU milliseconds per `kernel_kind` of (start µs, end µs, name) activities, largest
+    first (summed durations: kernels running side by side count twice)."""
+    ms: dict[str, float] = {}
+    for s, e, n in kernels:
+        kind = kernel_kind(n)
+        ms[kind] = ms.get(kind, 0.0) + (e - s) / 1e3
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+
+def trace_activities(events: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of the GPU activities (kernels, copies, fills) of a chrome trace."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "")))
+            for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def summarize_timelines(paths: list[str]) -> list[dict[str, Any]]:
+    """`--summarize`: for saved timelines (`--timeline`'s .json.gz), the step's span, busy and
+    idle time and its GPU time by kernel kind; printed side by side, and returned."""
+    import gzip
+
+    rows = []
+    for path in paths:
+        raw = Path(path).read_bytes()
+        events = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw).get("traceEvents", [])
+        acts = trace_activities(events)
+        gaps = idle_gaps(acts, MARKER_KERNEL)
+        rows.append({"timeline": path, "span_ms": gaps["span_us"] / 1e3, "busy_ms": gaps["busy_us"] / 1e3,
+                     "idle_ms": gaps["idle_us"] / 1e3, "kernel_ms": kernel_time_by_kind(acts)})
+    kinds = sorted({k for r in rows for k in r["kernel_ms"]}, key=lambda k: -max(r["kernel_ms"].get(k, 0.0)
+                                                                                 for r in rows))
+    width = max([len(k) for k in kinds] + [24])
+    names = [Path(r["timeline"]).name.removesuffix(".gz").removesuffix(".json").removeprefix("timeline-")[-28:]
+             for r in rows]
+    print(" " * width + "".join(f"  {n:>28s}" for n in names))
+    for label, key in (("step span (ms)", "span_ms"), ("GPU busy (ms)", "busy_ms"), ("GPU idle (ms)", "idle_ms")):
+        print(f"{label:{width}s}" + "".join(f"  {r[key]:28.2f}" for r in rows))
+    for k in kinds:
+        print(f"{k:{width}s}" + "".join(f"  {r['kernel_ms'].get(k, 0.0):28.2f}" for r in rows))
+    return rows
+
+
 def gpu_timeline(step: Any, name: str, out_dir: Path, top: int = 15) -> dict[str, Any]:
     """Profile one step with CUDA activity only (no per-op host instrumentation, so the host
     keeps its own pace) and report where its GPU sat idle (`idle_gaps`); a marker kernel is
@@ -222,10 +288,9 @@ def gpu_timeline(step: Any, name: str, out_dir: Path, top: int = 15) -> dict[str
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         raw = path.read_bytes()
-    events = json.loads(raw).get("traceEvents", [])
-    acts = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "")))
-            for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    acts = trace_activities(json.loads(raw).get("traceEvents", []))
     r = idle_gaps(acts, MARKER_KERNEL)
+    r["kernel_ms"] = kernel_time_by_kind(acts)
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
     out_dir.mkdir(parents=True, exist_ok=True)
     _TIMELINES.append(name)  # a variant measured twice (pairs) keeps both traces
@@ -234,6 +299,7 @@ def gpu_timeline(step: Any, name: str, out_dir: Path, top: int = 15) -> dict[str
            if "forward_span_us" in r else "")
     print(f"--- {name}: one step on the GPU: {r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, "
           f"idle {r['idle_us'] / 1e3:.1f} ms in {len(r['gaps'])} gaps of >= 5 us{fwd}", flush=True)
+    print("  GPU ms by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms"].items()), flush=True)
     for g in r["gaps"][:top]:
         print(f"  {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:7.2f} ms  after {g['after'][:60]}  "
               f"before {g['before'][:60]}", flush=True)
@@ -526,12 +592,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="freeze the heap and disable Python's automatic GC during the timed steps (all variants)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N Python functions (host time)")
     ap.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step per variant")
+    ap.add_argument("--summarize", nargs="+", metavar="TIMELINE", default=None,
+                    help="print the step span, idle time and GPU time by kernel kind of saved timelines "
+                         "(--timeline's .json.gz) side by side, and run nothing")
     ap.add_argument("--timeline", action="store_true",
                     help="profile one step per variant (GPU activity only): idle time, its largest gaps, "
                          "and the trace under --out")
     ap.add_argument("--stacks-every", type=float, default=0,
                     help="print every thread's Python stack every N seconds (where a slow warm-up spends its time)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        summarize_timelines(args.summarize)
+        return 0
     if args.stacks_every:
         import faulthandler
 
