@@ -433,17 +433,18 @@ class EmbeddedEngine:
         if "weights" in self.released_tags:
             raise EngineError("the weights' memory is released; resume it (tags=['weights']) before "
                               "updating them", retryable=False, status=400)
+        family = families.get(families.family_of_hf(self.model.config))
         with self._lock, torch.no_grad():
             if self._targets is None:
                 self._targets = {}
-            targets, params, family = self._targets, None, None
+            targets = self._targets
+            params = None  # the state dict, walked only when a name was not resolved before
             dst, src = [], []
             for name, value in named_tensors:
                 target = targets.get(name)
                 if target is None:
                     if params is None:
                         params = self.model.state_dict(keep_vars=True)
-                        family = families.get(families.family_of_hf(self.model.config))
                     module_name, index = family.module_slot(name)
                     target = params.get(module_name, params.get(name))
                     if target is None:
