@@ -13,7 +13,7 @@ import torch
 from vlmrl.models.kernels import fused, pick
 from vlmrl.models.mrope import MRopeSpec, mrope_cos_sin, rope_qk
 from vlmrl.models.norm import rms_norm
-from vlmrl.training.logprobs import log_softmax_pick, logprobs_and_entropy
+from vlmrl.training.logprobs import fused_log_softmax_pick, log_softmax_pick, logprobs_and_entropy
 
 
 def _grads(fn, *inputs):
@@ -99,6 +99,41 @@ def test_fused_log_softmax_matches_plain_and_the_sharded_path(temperature):
         ref = torch.log_softmax(logits / temperature, -1)
         assert torch.allclose(o1[0], ref.gather(-1, targets[:, None])[:, 0], atol=1e-6)
         assert torch.allclose(o1[1], -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_hand_written_log_softmax_backward_is_autograds():
+    """`fused_log_softmax_pick`'s backward (elementwise given the forward's lse and entropy)
+    is the gradient of its forward: torch's gradcheck in float64, with the entropy's gradient
+    and without it (an entropy only logged), at a temperature other than 1."""
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 9, dtype=torch.float64) * 3).requires_grad_()
+    targets = torch.randint(0, 9, (4,))
+    for temperature in (1.0, 0.6):
+        both = lambda x, t=temperature: fused_log_softmax_pick(x, targets, t, True, compiled=False)  # noqa: E731
+        assert torch.autograd.gradcheck(both, (logits,))
+        only_logp = lambda x, t=temperature: fused_log_softmax_pick(x, targets, t, True, compiled=False)[0]  # noqa: E731
+        assert torch.autograd.gradcheck(only_logp, (logits,))
+        logp, entropy = fused_log_softmax_pick(logits, targets, temperature, True, compiled=False)
+        ref = log_softmax_pick(logits, targets, temperature, True)
+        assert torch.allclose(logp, ref[0]) and torch.allclose(entropy, ref[1])
+
+
+def test_fused_log_softmax_without_entropy_reads_no_entropy_gradient():
+    """Compiled (Inductor's CPU backend): logprobs only, and the entropy computed but not in
+    the loss, give the plain function's logprob gradient."""
+    for tokens in (6, 10):
+        logits = torch.randn(tokens, 131) * 5
+        targets = torch.randint(0, 131, (tokens,))
+        weights = torch.randn(tokens)
+        grads = []
+        for fn in (lambda x: log_softmax_pick(x, targets, 0.8, False),
+                   lambda x: fused_log_softmax_pick(x, targets, 0.8, False),
+                   lambda x: fused_log_softmax_pick(x, targets, 0.8, True)):
+            x = logits.clone().requires_grad_()
+            logp, entropy = fn(x)
+            (logp * weights).sum().backward()
+            grads.append(x.grad)
+        assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
 
 
 def test_fused_gated_delta_elementwise_match_plain():

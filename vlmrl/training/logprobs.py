@@ -3,13 +3,17 @@
 The output layer is column-parallel: each tensor-parallel rank holds logits for a slice of
 the vocabulary. Logprobs of the targets and the entropy need the softmax over the whole
 vocabulary; three all-reduces (max, sum of exp, the target logit and sum p*logit) give them
-without gathering the logits. With tp == 1 this is a plain log_softmax (`log_softmax_pick`,
-Inductor-fused with `fused=True`: one pass over the bf16 logits instead of a float32 copy
-and several passes over it). The contract is the rollout engines' one: logprobs of
-log_softmax(logits / T).
+without gathering the logits. With tp == 1 this is a plain log_softmax (`log_softmax_pick`);
+with `fused=True` (`hardware.fused_kernels`) it is `fused_log_softmax_pick`, whose forward
+and backward are each one Inductor-compiled pass over the bf16 logits: the forward keeps
+only the log-partition (and entropy) per token, and the backward is elementwise given those,
+so it reads the logits once and writes their gradient once. The contract is the rollout
+engines' one: logprobs of log_softmax(logits / T).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,11 +39,16 @@ def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.Re
     return reduce_from_tensor_model_parallel_region(x, group)
 
 
+def _wide(logits: Tensor) -> Tensor:
+    """The logits in float32, or wider when they already are (float64 in gradient checks)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float,
                      with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """(log p(target) [T], entropy [T] or None) of log_softmax(logits / temperature) over the
-    whole vocabulary, in float32."""
-    x = logits.float()
+    whole vocabulary, in float32 (or wider)."""
+    x = _wide(logits)
     if temperature != 1.0:
         x = x / temperature
     logp_all = torch.log_softmax(x, dim=-1)
@@ -48,13 +57,83 @@ def log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float,
     return logp, entropy
 
 
+def logsumexp_pick(logits: Tensor, targets: Tensor, temperature: float,
+                   with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(log p(target), log-partition, entropy or None) of the tempered logits [..., V], in
+    float32: the forward of `fused_log_softmax_pick`."""
+    x = _wide(logits)
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        logp_all = x - lse.unsqueeze(-1)
+        entropy = -(torch.exp(logp_all) * logp_all).sum(-1)
+    return logp, lse, entropy
+
+
+def logsumexp_pick_grad(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor | None,
+                        g_logp: Tensor | None, g_entropy: Tensor | None, temperature: float) -> Tensor:
+    """The gradient of the logits, elementwise given the per-token lse (and entropy): with
+    z = x / T, p = softmax(z), d logp(t) / dz = onehot(t) - p and dH / dz = -p (log p + H)."""
+    x = _wide(logits)
+    if temperature != 1.0:
+        x = x / temperature
+    logp_all = x - lse.unsqueeze(-1)
+    p = torch.exp(logp_all)
+    dz = torch.zeros_like(x)
+    if g_logp is not None:
+        onehot = torch.arange(x.shape[-1], device=x.device) == targets.unsqueeze(-1)
+        dz = dz + g_logp.to(x.dtype).unsqueeze(-1) * (onehot.to(x.dtype) - p)
+    if g_entropy is not None:
+        if entropy is None:
+            raise ValueError("an entropy gradient needs the forward's entropy")
+        dz = dz - g_entropy.to(x.dtype).unsqueeze(-1) * p * (logp_all + entropy.unsqueeze(-1))
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(logits.dtype)
+
+
+class _LogSoftmaxPick(torch.autograd.Function):
+    """`log_softmax_pick` with a hand-written backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                compiled: bool) -> tuple[Tensor, Tensor | None]:
+        logp, lse, entropy = pick(logsumexp_pick, compiled)(logits, targets, temperature, with_entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.compiled = temperature, compiled
+        ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient pass
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: Tensor | None, g_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if g_logp is None and g_entropy is None:
+            return None, None, None, None, None
+        grad = pick(logsumexp_pick_grad, ctx.compiled)(logits, targets, lse, entropy, g_logp, g_entropy,
+                                                      ctx.temperature)
+        return grad, None, None, None, None
+
+
+def fused_log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                           compiled: bool = True) -> tuple[Tensor, Tensor | None]:
+    """`log_softmax_pick`'s values and gradients in one pass each way over the logits: the
+    forward reads them once for the lse (and entropy), the backward once more to write their
+    gradient (`compiled=False` runs the same maths eagerly, for tests)."""
+    return _LogSoftmaxPick.apply(logits, targets, float(temperature), bool(with_entropy), compiled)
+
+
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, temperature: float = 1.0,
                          vocab_start: int = 0, group: dist.ProcessGroup | None = None,
                          with_entropy: bool = True, fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """(logp [T], entropy [T] or None) of `logits` [T, V_local] (this rank's vocab slice
     starting at `vocab_start`; `group` = the tensor-parallel group, None when unsharded)."""
     if group is None:
-        return pick(log_softmax_pick, fused)(logits, targets, float(temperature), with_entropy)
+        if fused:
+            return fused_log_softmax_pick(logits, targets, temperature, with_entropy)
+        return log_softmax_pick(logits, targets, float(temperature), with_entropy)
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature
