@@ -166,11 +166,10 @@ def test_shape_generic_convolution_is_the_segmented_one():
         assert pos.tolist() == [i for n in lens for i in range(n)]
         x = torch.randn(total, 12)
         outs = []
-        for fn in (lambda x, w: gd.causal_conv1d(x, w.squeeze(1), bounds),
-                   lambda x, w: gd.short_conv_silu(x, w, pos),
-                   lambda x, w: fused(gd.short_conv_silu)(x, w, pos)):
+        for fn, layout in ((lambda x, w, b: gd.causal_conv1d(x, w.squeeze(1), b), bounds),
+                           (gd.short_conv_silu, pos), (fused(gd.short_conv_silu), pos)):
             xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-            out = fn(xx, ww)
+            out = fn(xx, ww, layout)
             torch.manual_seed(1)
             (out * torch.randn_like(out)).sum().backward()
             outs.append((out.detach(), xx.grad, ww.grad))

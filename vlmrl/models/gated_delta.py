@@ -101,22 +101,66 @@ def token_positions(bounds: Sequence[tuple[int, int]], total: int) -> Tensor:
     return pos
 
 
+def _shift(x: Tensor, shift: int) -> Tensor:
+    """x[t - shift] along dim 0, wrapping around: every caller masks the wrapped rows (a
+    token's taps never reach past its sample's start, and position t < shift is never
+    shift tokens into its sample). A roll is an index map to Inductor, where a padded copy
+    would be a buffer of its own."""
+    return torch.roll(x, shift, 0)
+
+
+def _conv_pre(x: Tensor, w: Tensor, pos: Tensor) -> Tensor:
+    """The convolution before its SiLU, float32: sum over shifts s of w[:, K-1-s] x[t - s],
+    the terms reaching back past the token's sample start dropped."""
+    k = w.shape[-1]
+    xf = x.float()
+    out = xf * w[:, k - 1]
+    for s in range(1, k):
+        out = out + torch.where((pos >= s).unsqueeze(-1), _shift(xf, s), 0.0) * w[:, k - 1 - s]
+    return out
+
+
+class _ShortConvSilu(torch.autograd.Function):
+    """`short_conv_silu` with its backward written out: it keeps only its input (and
+    recomputes the convolution), where autograd's own backward of the shifted sums would
+    save every padded float32 copy of the input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight, pos)
+        w = weight.reshape(weight.shape[0], weight.shape[-1]).float()
+        return F.silu(_conv_pre(x, w, pos)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight, pos = ctx.saved_tensors
+        w = weight.reshape(weight.shape[0], weight.shape[-1]).float()
+        k = w.shape[-1]
+        pre = _conv_pre(x, w, pos)
+        sig = torch.sigmoid(pre)
+        dpre = grad.float() * sig * (1.0 + pre * (1.0 - sig))  # SiLU'
+        xf = x.float()
+        dx = dpre * w[:, k - 1]
+        dw = [(dpre * xf).sum(0)]
+        for s in range(1, k):
+            valid = (pos >= s).unsqueeze(-1)
+            # x[t - s] feeds token t (when t - s is in t's sample): dx[t] gets dpre[t + s]
+            dx = dx + _shift(torch.where(valid, dpre, 0.0), -s) * w[:, k - 1 - s]
+            dw.append(torch.where(valid, dpre * _shift(xf, s), 0.0).sum(0))
+        dw_t = torch.stack(dw[::-1], dim=-1)  # [C, K], tap K-1-s at column K-1-s
+        return dx.to(x.dtype), dw_t.view(weight.shape).to(weight.dtype), None
+
+
 def short_conv_silu(x: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
     """`causal_conv1d` + SiLU as a pure function of device tensors: x [T, C], weight [C, K]
     (or [C, 1, K], as the layer holds it), pos [T] each token's position within its sample
     (`token_positions`); float32 inside, x's dtype out, as fla's kernel.
 
     The segment layout is data here, not host bounds, so the compiled Gated DeltaNet graph
-    (`vlmrl.models.fused_layer.gdn_in`) holds it for any packing: Inductor makes the
-    forward one elementwise kernel and the backward one more plus the weight's reduction."""
-    w = weight.reshape(weight.shape[0], weight.shape[-1]).float()
-    k = w.shape[-1]
-    xf = x.float()
-    out = xf * w[:, k - 1]
-    for shift in range(1, k):
-        prev = F.pad(xf, (0, 0, shift, 0))[: x.shape[0]]  # x[t - shift], zeros before the first token
-        out = out + torch.where((pos >= shift).unsqueeze(-1), prev, 0.0) * w[:, k - 1 - shift]
-    return F.silu(out).to(x.dtype)
+    (`vlmrl.models.fused_layer.gdn_in`) holds it for any packing: Inductor makes the forward
+    one elementwise kernel, and the backward (`_ShortConvSilu`) the input's gradient and the
+    weight's reductions from the input and the output's gradient alone."""
+    return _ShortConvSilu.apply(x, weight, pos)
 
 
 # --------------------------------------------------------------------------- recurrence
