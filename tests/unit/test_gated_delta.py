@@ -112,9 +112,9 @@ def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
         cu = offsets.cu_host.tolist()
         return list(zip(cu[:-1], cu[1:]))
 
-    def wrong_rule(q, k, v, g, beta, offsets, qk_normed=False):
+    def wrong_rule(q, k, v, g, beta, offsets):
         bounds = bounds_of(offsets)
-        return gd.chunk_gated_delta_rule(q, k, v, g * 0.5, beta, bounds, qk_normed=qk_normed)
+        return gd.chunk_gated_delta_rule(q, k, v, g * 0.5, beta, bounds)
 
     def torch_conv(x, w, offsets):
         return gd.causal_conv1d(x, w, bounds_of(offsets))
@@ -125,8 +125,8 @@ def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     with pytest.raises(gd.FastPathError, match="output differs"):
         gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16)
 
-    def right_rule(q, k, v, g, beta, offsets, qk_normed=False):
-        return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds_of(offsets), qk_normed=qk_normed)
+    def right_rule(q, k, v, g, beta, offsets):
+        return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds_of(offsets))
 
     monkeypatch.setattr(gd, "fla_gated_delta_rule", right_rule)
     assert gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16) == 0.0
@@ -145,34 +145,3 @@ def test_chunk_tiling_built_on_the_host():
     offsets = gd.PackedOffsets(gd.segment_bounds([0, 37, 167], 258), torch.device("cpu"))
     assert offsets.cu.tolist() == offsets.cu_host.tolist() == [0, 37, 167, 258]
     assert offsets.conv_chunks().tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]
-
-
-def test_shape_generic_convolution_is_the_segmented_one():
-    """`short_conv_silu` (the compiled layer's convolution, its layout as per-token positions)
-    against `causal_conv1d` (host bounds): values and gradients, plain and compiled
-    (Inductor's CPU backend), on two packings of different lengths, one sample shorter than
-    the kernel; the weight as the layer holds it, [C, 1, K]."""
-    from vlmrl.models.kernels import fused
-
-    torch.manual_seed(0)
-    w = torch.randn(12, 1, 4)
-    for lens in ((5, 2, 9), (3, 17)):
-        total = sum(lens)
-        offsets = [0]
-        for n in lens[:-1]:
-            offsets.append(offsets[-1] + n)
-        bounds = gd.segment_bounds(offsets, total)
-        pos = gd.token_positions(bounds, total)
-        assert pos.tolist() == [i for n in lens for i in range(n)]
-        x = torch.randn(total, 12)
-        outs = []
-        for fn, layout in ((lambda x, w, b: gd.causal_conv1d(x, w.squeeze(1), b), bounds),
-                           (gd.short_conv_silu, pos), (fused(gd.short_conv_silu), pos)):
-            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-            out = fn(xx, ww, layout)
-            torch.manual_seed(1)
-            (out * torch.randn_like(out)).sum().backward()
-            outs.append((out.detach(), xx.grad, ww.grad))
-        for got in outs[1:]:
-            for a, b in zip(got, outs[0]):
-                assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()

@@ -14,9 +14,8 @@ unchanged) but runs its forward as one of
       attention_out   output gate -> out-proj GEMM -> residual -> pre-MLP RMSNorm [-> MLP]    compiled
 
     Gated DeltaNet layer (Qwen3.5)
-      gdn_in          input RMSNorm -> the four input projections -> decay and beta ->
-                      short convolution + SiLU -> split heads -> q/k L2 norm                   compiled
-      delta rule      chunked gated delta rule (fla / FlashQLA kernels or torch)               eager
+      gdn_in          input RMSNorm -> the four input projections -> decay and beta           compiled
+      recurrence      short convolution + gated delta rule (fla's kernels or torch)            eager
       gdn_out         gated RMSNorm -> out-proj GEMM -> residual -> pre-MLP RMSNorm [-> MLP]  compiled
 
 A dense SwiGLU MLP (and its residual) is part of the second graph; any other MLP (the MoE
@@ -42,8 +41,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from .attention import GroupedSelfAttention, PackedSelfAttentionCore, VLPackedSeqParams
-from .gated_delta import decay_and_beta, gated_rms_norm, l2norm, short_conv_silu
-from .gdn import GatedDeltaNet, token_positions
+from .gated_delta import decay_and_beta, gated_rms_norm
+from .gdn import GatedDeltaNet
 from .kernels import fused
 from .mrope import rope_qk
 from .norm import RMSNorm, rms_norm
@@ -99,23 +98,12 @@ def attention_out(ctx: Tensor, gate: Tensor | None, residual: Tensor, proj_w: Te
 
 
 def gdn_in(h: Tensor, norm: Norm, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor, a_log: Tensor,
-           dt_bias: Tensor, conv_w: Tensor, pos: Tensor, heads_k: int, dk: int, heads_v: int,
-           dv: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """h [T, 1, H] -> the gated delta rule's inputs: l2-normalised q, k [T, heads_k, dk] and v
-    [T, heads_v, dv] after the short convolution and SiLU (`pos`: each token's position
-    within its sample), contiguous as the kernels take them; z [T, heads_v * dv]; the decay g
-    and write strength beta [T, heads_v].
-
-    The fused QKV rows hold, per key head, that head's query, key and values
-    (`vlmrl.models.gdn`); q and k are normed in float32 from the convolution's output in
-    h's dtype, as fla's kernels norm them."""
+           dt_bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h [T, 1, H] -> the Gated DeltaNet's projections: mixed [T, C] (before the convolution),
+    z [T, Hv * dv], and its decay g and write strength beta [T, Hv]."""
     x = _norm(h, norm).squeeze(1)
     g, beta = decay_and_beta(F.linear(x, a_w), F.linear(x, b_w), a_log, dt_bias)
-    mixed = short_conv_silu(F.linear(x, qkv_w), conv_w, pos)
-    total = mixed.shape[0]
-    q, k, v = mixed.view(total, heads_k, -1).split([dk, dk, (heads_v // heads_k) * dv], dim=-1)
-    q, k = (l2norm(t.float()).to(t.dtype) for t in (q, k))
-    return q, k, v.reshape(total, heads_v, dv).contiguous(), F.linear(x, z_w), g, beta
+    return F.linear(x, qkv_w), F.linear(x, z_w), g, beta
 
 
 def gdn_out(o: Tensor, z: Tensor, gate_norm_w: Tensor, gate_eps: float, residual: Tensor, out_w: Tensor,
@@ -230,8 +218,8 @@ class FusedTransformerLayer(TransformerLayer):
     def _gdn(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
              fc: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor, Tensor | None]:
         m = self.self_attention
-        q, k, v, z, g, beta = fused(gdn_in, self.cuda_graphs)(
+        mixed, z, g, beta = fused(gdn_in, self.cuda_graphs)(
             h, norm1, m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, m.in_proj_a.weight, m.A_log,
-            m.dt_bias, m.conv1d.weight, token_positions(p, h.shape[0], h.device), m.hk, m.dk, m.hv, m.dv)
-        o = m.delta_rule(q, k, v, g, beta, p, qk_normed=True)
+            m.dt_bias)
+        o = m.recurrence(mixed, g, beta, p, m.conv1d.weight.squeeze(1), m.hk, m.hv)
         return fused(gdn_out, self.cuda_graphs)(o, z, m.norm.weight, m.eps, h, m.out_proj.weight, norm2, *fc)

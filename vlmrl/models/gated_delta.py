@@ -93,76 +93,6 @@ def causal_conv1d(x: Tensor, weight: Tensor, bounds: Sequence[tuple[int, int]], 
     return F.silu(out) if activation else out
 
 
-def token_positions(bounds: Sequence[tuple[int, int]], total: int) -> Tensor:
-    """[T] int32 on the host: each token's position within its segment."""
-    pos = torch.empty(total, dtype=torch.int32)
-    for a, b in bounds:
-        pos[a:b] = torch.arange(b - a, dtype=torch.int32)
-    return pos
-
-
-def _shift(x: Tensor, shift: int) -> Tensor:
-    """x[t - shift] along dim 0, wrapping around: every caller masks the wrapped rows (a
-    token's taps never reach past its sample's start, and position t < shift is never
-    shift tokens into its sample). A roll is an index map to Inductor, where a padded copy
-    would be a buffer of its own."""
-    return torch.roll(x, shift, 0)
-
-
-def _conv_pre(x: Tensor, w: Tensor, pos: Tensor) -> Tensor:
-    """The convolution before its SiLU, float32: sum over shifts s of w[:, K-1-s] x[t - s],
-    the terms reaching back past the token's sample start dropped."""
-    k = w.shape[-1]
-    xf = x.float()
-    out = xf * w[:, k - 1]
-    for s in range(1, k):
-        out = out + torch.where((pos >= s).unsqueeze(-1), _shift(xf, s), 0.0) * w[:, k - 1 - s]
-    return out
-
-
-class _ShortConvSilu(torch.autograd.Function):
-    """`short_conv_silu` with its backward written out: it keeps only its input (and
-    recomputes the convolution), where autograd's own backward of the shifted sums would
-    save every padded float32 copy of the input."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight, pos)
-        w = weight.reshape(weight.shape[0], weight.shape[-1]).float()
-        return F.silu(_conv_pre(x, w, pos)).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        x, weight, pos = ctx.saved_tensors
-        w = weight.reshape(weight.shape[0], weight.shape[-1]).float()
-        k = w.shape[-1]
-        pre = _conv_pre(x, w, pos)
-        sig = torch.sigmoid(pre)
-        dpre = grad.float() * sig * (1.0 + pre * (1.0 - sig))  # SiLU'
-        xf = x.float()
-        dx = dpre * w[:, k - 1]
-        dw = [(dpre * xf).sum(0)]
-        for s in range(1, k):
-            valid = (pos >= s).unsqueeze(-1)
-            # x[t - s] feeds token t (when t - s is in t's sample): dx[t] gets dpre[t + s]
-            dx = dx + _shift(torch.where(valid, dpre, 0.0), -s) * w[:, k - 1 - s]
-            dw.append(torch.where(valid, dpre * _shift(xf, s), 0.0).sum(0))
-        dw_t = torch.stack(dw[::-1], dim=-1)  # [C, K], tap K-1-s at column K-1-s
-        return dx.to(x.dtype), dw_t.view(weight.shape).to(weight.dtype), None
-
-
-def short_conv_silu(x: Tensor, weight: Tensor, pos: Tensor) -> Tensor:
-    """`causal_conv1d` + SiLU as a pure function of device tensors: x [T, C], weight [C, K]
-    (or [C, 1, K], as the layer holds it), pos [T] each token's position within its sample
-    (`token_positions`); float32 inside, x's dtype out, as fla's kernel.
-
-    The segment layout is data here, not host bounds, so the compiled Gated DeltaNet graph
-    (`vlmrl.models.fused_layer.gdn_in`) holds it for any packing: Inductor makes the forward
-    one elementwise kernel, and the backward (`_ShortConvSilu`) the input's gradient and the
-    weight's reductions from the input and the output's gradient alone."""
-    return _ShortConvSilu.apply(x, weight, pos)
-
-
 # --------------------------------------------------------------------------- recurrence
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -188,15 +118,13 @@ def _to_segments(x: Tensor, gather: Tensor, n: int, length: int) -> Tensor:
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           bounds: Sequence[tuple[int, int]], *, chunk: int | None = None,
-                           qk_normed: bool = False) -> Tensor:
+                           bounds: Sequence[tuple[int, int]], *, chunk: int | None = None) -> Tensor:
     """The gated delta rule over packed segments, chunked, in float32.
 
     q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk: value head j reads key head
-    j // (Hv / Hk)); g, beta [T, Hv]. q and k are l2-normalised here (unless the caller did:
-    `qk_normed`) and q is scaled by dk^-0.5. Returns o [T, Hv, dv] in v's dtype. `chunk`:
-    tokens per chunk; None picks 16..64 from the longest segment (any size gives the same
-    result up to rounding).
+    j // (Hv / Hk)); g, beta [T, Hv]. q and k are l2-normalised here and q is scaled by
+    dk^-0.5. Returns o [T, Hv, dv] in v's dtype. `chunk`: tokens per chunk; None picks
+    16..64 from the longest segment (any size gives the same result up to rounding).
     """
     out_dtype = v.dtype
     t_len, hk, dk = k.shape
@@ -205,9 +133,8 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
     r = hv // hk
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if not qk_normed:
-        q, k = l2norm(q), l2norm(k)
-    q = q * dk ** -0.5
+    q = l2norm(q) * dk ** -0.5
+    k = l2norm(k)
     longest = max(b - a for a, b in bounds)
     if chunk is None:  # short samples: small chunks (less padding, smaller C x C systems)
         chunk = min(CHUNK, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
@@ -392,12 +319,9 @@ def fla_causal_conv1d(x: Tensor, weight: Tensor, offsets: PackedOffsets) -> Tens
     return out.squeeze(0)
 
 
-def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, offsets: PackedOffsets,
-                         qk_normed: bool = False) -> Tensor:
+def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, offsets: PackedOffsets) -> Tensor:
     """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]
-    (value heads grouped over key heads natively: fla's GVA). q and k are l2-normalised by
-    the library's kernels, or already by the caller (`qk_normed`: the compiled layer does it
-    in its graph, saving the library's two norm kernels and their launches each way).
+    (value heads grouped over key heads natively: fla's GVA).
 
     Where fla would dispatch to FlashQLA (Hopper and Blackwell, head size 128), FlashQLA is
     called directly with its context built from the host offsets (`PackedOffsets`): the same
@@ -406,7 +330,7 @@ def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     q, k, v = (t.contiguous() for t in (q, k, v))
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0))
     kwargs = dict(scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=not qk_normed, cu_seqlens=offsets.cu)
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=offsets.cu)
     backend = _flash_qla_backend()
     if backend is not None and backend.verify("chunk_gated_delta_rule", *args, **kwargs)[0]:
         import flash_qla
@@ -490,7 +414,7 @@ def _check_layout(device: torch.device, dtype: torch.dtype, hk: int, hv: int, dk
     packed = PackedOffsets(bounds, device, force_split=force_split)
     grad_out = rnd(total, hv, dv)
 
-    def run(fast: bool, normed: bool = False) -> tuple[Tensor, list[Tensor]]:
+    def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
         leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
         mixed = fla_causal_conv1d(xx, ww, packed) if fast else causal_conv1d(xx, ww, bounds)
@@ -498,31 +422,14 @@ def _check_layout(device: torch.device, dtype: torch.dtype, hk: int, hv: int, dk
         q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
         v = vv.reshape(total, hv, dv)
         g, beta = decay_and_beta(aa, bb, a_log, dt_bias)
-        if normed:  # as the compiled layer calls the kernels: q and k normed in its graph
-            q, k = (l2norm(t.float()).to(t.dtype) for t in (q, k))
-        o = (fla_gated_delta_rule(q, k, v, g, beta, packed, qk_normed=normed) if fast
+        o = (fla_gated_delta_rule(q, k, v, g, beta, packed) if fast
              else chunk_gated_delta_rule(q, k, v, g, beta, bounds))
         o.float().backward(grad_out.float())
         return o.detach().float(), [t.grad.detach().float() for t in leaves]
 
     ref_o, ref_g = run(False)
+    o, grads = run(True)
     tol = FAST_PATH_TOL.get(dtype, 2e-2)
-    worst = 0.0
-    for normed in (False, True):
-        worst = max(worst, _compare(run(True, normed), (ref_o, ref_g), tol, dtype, device,
-                                    " (FlashQLA split across SMs)" if force_split else "",
-                                    " with q and k normed by the caller" if normed else ""))
-    # the contexts FlashQLA ran with (none where its verifier turned these shapes to fla's path)
-    if force_split and not all(ctx.is_intra for ctx in packed._qla.values()):
-        raise FastPathError("FlashQLA did not split the check's long sample as forced: its split path went unchecked")
-    return worst
-
-
-def _compare(fast: tuple[Tensor, list[Tensor]], ref: tuple[Tensor, list[Tensor]], tol: float,
-             dtype: torch.dtype, device: torch.device, where: str, how: str) -> float:
-    """The worst relative difference of the fast path's output and gradients from the
-    reference's; FastPathError naming the first beyond `tol`."""
-    (o, grads), (ref_o, ref_g) = fast, ref
     worst = 0.0
     for name, got, want in [("output", o, ref_o)] + [(f"grad of {n}", gg, rg) for n, gg, rg in
                                                       zip(("input", "conv weight", "a", "b"), grads, ref_g)]:
@@ -530,9 +437,12 @@ def _compare(fast: tuple[Tensor, list[Tensor]], ref: tuple[Tensor, list[Tensor]]
         worst = max(worst, rel)
         if not rel <= tol:  # catches NaN too
             raise FastPathError(
-                f"the fla Gated DeltaNet path{where}{how} disagrees "
+                f"the fla Gated DeltaNet path{' (FlashQLA split across SMs)' if force_split else ''} disagrees "
                 f"with the torch reference: {name} differs by "
                 f"{rel:.3g} relative (tolerance {tol:g}, {dtype}, {device}); refusing to train on it. "
                 "Install a flash-linear-attention / FlashQLA build that passes, or set "
                 "hardware.gdn_backend=torch")
+    # the contexts FlashQLA ran with (none where its verifier turned these shapes to fla's path)
+    if force_split and not all(ctx.is_intra for ctx in packed._qla.values()):
+        raise FastPathError("FlashQLA did not split the check's long sample as forced: its split path went unchecked")
     return worst

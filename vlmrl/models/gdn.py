@@ -47,7 +47,6 @@ from torch import Tensor
 
 from . import gated_delta as gd
 from .attention import VLPackedSeqParams
-from .compat import to_device
 from .kernels import pick
 
 
@@ -171,54 +170,20 @@ class GatedDeltaNet(MegatronModule):
         beta [T, heads_v] -> o [T, heads_v, dv]. The part of the layer that stays eager on
         the compiled path (`vlmrl.models.fused_layer`): fla's kernels or the torch reference."""
         total = mixed.shape[0]
-        bounds = _bounds(p, total)
+        bounds = gd.segment_bounds(p.layout()["whole_offsets"][:-1], total)
         if self.backend == "fla":
-            mixed = gd.fla_causal_conv1d(mixed, conv_w, _offsets(p, bounds, mixed.device))
+            offsets = p._cache.get("gdn_offsets")
+            if offsets is None:
+                offsets = p._cache["gdn_offsets"] = gd.PackedOffsets(bounds, mixed.device)
+            mixed = gd.fla_causal_conv1d(mixed, conv_w, offsets)
         else:
             mixed = gd.causal_conv1d(mixed, conv_w, bounds)
-        q, k, v = self.split_heads(mixed, heads_k, heads_v)
-        return self.delta_rule(q, k, v, g, beta, p, qk_normed=False)
-
-    def split_heads(self, mixed: Tensor, heads_k: int, heads_v: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Convolved mixed [T, heads_k * group] (rows grouped by key head) -> q, k [T, heads_k,
-        dk] and v [T, heads_v, dv], views where they can be."""
-        total = mixed.shape[0]
-        q, k, v = mixed.view(total, heads_k, self.group).split([self.dk, self.dk, self.ratio * self.dv], dim=-1)
-        return q, k, v.reshape(total, heads_v, self.dv)
-
-    def delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, p: VLPackedSeqParams,
-                   qk_normed: bool) -> Tensor:
-        """The gated delta rule over whole samples (fla's kernels or the torch reference); q and
-        k already l2-normalised when `qk_normed` (the compiled layer's graph does it)."""
-        bounds = _bounds(p, q.shape[0])
+        mixed = mixed.view(total, heads_k, self.group)
+        q, k, v = mixed.split([self.dk, self.dk, self.ratio * self.dv], dim=-1)
+        v = v.reshape(total, heads_v, self.dv)
         if self.backend == "fla":
-            return gd.fla_gated_delta_rule(q, k, v, g, beta, _offsets(p, bounds, q.device), qk_normed=qk_normed)
-        return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds, qk_normed=qk_normed)
-
-
-def _bounds(p: VLPackedSeqParams, total: int) -> list[tuple[int, int]]:
-    """The samples' (start, end) in the packed tokens, cached per layout."""
-    key = ("gdn_bounds", total)
-    if key not in p._cache:
-        p._cache[key] = gd.segment_bounds(p.layout()["whole_offsets"][:-1], total)
-    return p._cache[key]
-
-
-def _offsets(p: VLPackedSeqParams, bounds: list[tuple[int, int]], device: torch.device) -> gd.PackedOffsets:
-    """The layout's offsets in the forms fla's kernels take, built once and shared by the layers."""
-    offsets = p._cache.get("gdn_offsets")
-    if offsets is None:
-        offsets = p._cache["gdn_offsets"] = gd.PackedOffsets(bounds, device)
-    return offsets
-
-
-def token_positions(p: VLPackedSeqParams, total: int, device: torch.device) -> Tensor:
-    """Each token's position within its sample [T] (int32, on the device), the segment layout
-    as the compiled layer's convolution takes it; built once per layout."""
-    pos = p._cache.get("gdn_positions")
-    if pos is None:
-        pos = p._cache["gdn_positions"] = to_device(gd.token_positions(_bounds(p, total), total), device)
-    return pos
+            return gd.fla_gated_delta_rule(q, k, v, g, beta, offsets)
+        return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
 
 
 # --------------------------------------------------------------------------- context parallel
