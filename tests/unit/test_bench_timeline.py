@@ -43,6 +43,8 @@ def test_kernels_are_grouped_by_kind_from_their_names():
         "triton_red_fused__log_softmax__log_softmax_backward_data__to_copy_2": "softmax / log-softmax (loss)",
         "void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float>":
             "softmax / log-softmax (loss)",
+        "triton_red_fused__to_copy_gather_logsumexp_squeeze_sub_unsqueeze_0": "softmax / log-softmax (loss)",
+        "triton_poi_fused__to_copy_add_arange_eq_exp_sub_unsqueeze_0": "softmax / log-softmax (loss)",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
         "tilelang_fused_chunk_gdr_bwd_kernel_kernel": "Gated DeltaNet (fla / FlashQLA)",
         "causal_conv1d_bwd_kernel": "short convolution",

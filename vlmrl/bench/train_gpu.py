@@ -203,7 +203,9 @@ def idle_gaps(kernels: list[tuple[float, float, str]], marker: str | None = None
 KERNEL_KINDS = (
     ("grouped GEMM", ("grouped", "enable_3x_kernel_for_sm9x")),  # torch's grouped mm (CUTLASS 3)
     ("GEMM", ("nvjet", "gemm")),
-    ("softmax / log-softmax (loss)", ("softmax",)),
+    # the loss: a compiled log-softmax, or the hand-written pair (`fused_log_softmax_pick`):
+    # a logsumexp forward and an elementwise backward that builds the one-hot from an arange
+    ("softmax / log-softmax (loss)", ("softmax", "logsumexp", "arange_eq_exp")),
     ("attention", ("flash", "sdpa", "fmha")),
     ("Gated DeltaNet (fla / FlashQLA)", ("tilelang", "gated_delta", "chunk_gdr", "fused_recurrent")),
     ("short convolution", ("conv",)),
