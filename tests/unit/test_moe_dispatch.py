@@ -90,3 +90,19 @@ def test_compiled_block_maths_equals_the_definition_and_scatters_nothing():
     assert counts.tolist() == torch.bincount(chosen.reshape(-1), minlength=e).tolist()
     for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), leaves)):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_experts", [64, 256, 300])
+def test_expert_order_on_narrow_keys_is_the_stable_sort(num_experts):
+    """The sort by expert runs on the narrowest key dtype (one radix pass per byte); its
+    order and inverse are those of the stable sort of the int64 ids, at the uint8 bound and
+    past it."""
+    from vlmrl.models.moe import _expert_order, _sort_key_dtype
+
+    torch.manual_seed(0)
+    flat = torch.randint(0, num_experts, (4096,))
+    flat[:3] = num_experts - 1  # the largest id must survive the narrowing
+    order, inverse = _expert_order(flat, num_experts)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(order[inverse], torch.arange(flat.numel()))
+    assert _sort_key_dtype(num_experts) == (torch.uint8 if num_experts <= 256 else torch.int16)

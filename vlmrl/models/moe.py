@@ -209,10 +209,19 @@ class _GatherSum(torch.autograd.Function):
         return _spread(grad, inverse, ctx.repeat), None, None, None
 
 
-def _expert_order(flat: Tensor) -> tuple[Tensor, Tensor]:
-    """The stable sort of [N * k] expert ids (tokens stay in order within an expert, as in
-    Megatron's permutation) and its inverse permutation, both on the device."""
-    order = torch.argsort(flat, stable=True)
+def _sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype holding expert ids below `num_experts`: the radix sort makes
+    one pass per byte of key (eight over int64 ids: 0.44 ms a step in the Qwen3.5-MoE bench's
+    8 layers on an H200, 2026-12-02)."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 2**15 else torch.int32
+
+
+def _expert_order(flat: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """The stable sort of [N * k] expert ids below `num_experts` (tokens stay in order within
+    an expert, as in Megatron's permutation) and its inverse permutation, both on the device."""
+    order = torch.argsort(flat.to(_sort_key_dtype(num_experts)), stable=True)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=flat.device))
     return order, inverse
 
@@ -244,7 +253,7 @@ class LocalTokenDispatcher:
         k = self.topk
         experts = routing_map.to(torch.uint8).topk(k, dim=1).indices  # [N, k], the k routed experts
         weights = probs.gather(1, experts)
-        self.order, self.inverse = _expert_order(experts.reshape(-1))
+        self.order, self.inverse = _expert_order(experts.reshape(-1), routing_map.shape[1])
         # counts from the routing map: torch.bincount would read the largest id back to the host
         self.tokens_per_expert = routing_map.sum(0)
         return (_Gather.apply(x, self.order, self.inverse, k),
@@ -283,7 +292,7 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
     top, experts = torch.topk(logits, topk, dim=1)
     weights = torch.softmax(top, dim=-1, dtype=torch.float32)
     flat = experts.reshape(-1)
-    order, inverse = _expert_order(flat)
+    order, inverse = _expert_order(flat, num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0).to(torch.int32)
