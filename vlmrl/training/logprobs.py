@@ -5,10 +5,10 @@ the vocabulary. Logprobs of the targets and the entropy need the softmax over th
 vocabulary; three all-reduces (max, sum of exp, the target logit and sum p*logit) give them
 without gathering the logits. With tp == 1 this is a plain log_softmax (`log_softmax_pick`);
 with `fused=True` (`hardware.fused_kernels`) it is `fused_log_softmax_pick`, whose forward
-and backward are each one Inductor-compiled pass over the bf16 logits: the forward keeps
-only the log-partition (and entropy) per token, and the backward is elementwise given those,
-so it reads the logits once and writes their gradient once. The contract is the rollout
-engines' one: logprobs of log_softmax(logits / T).
+and backward Inductor compiles separately: the forward keeps only the log-partition (and
+entropy) per token, and the backward is one elementwise pass given those, reading the bf16
+logits once and writing their gradient once. The contract is the rollout engines' one:
+logprobs of log_softmax(logits / T).
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ class _LogSoftmaxPick(torch.autograd.Function):
 
 def fused_log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
                            compiled: bool = True) -> tuple[Tensor, Tensor | None]:
-    """`log_softmax_pick`'s values and gradients in one pass each way over the logits: the
-    forward reads them once for the lse (and entropy), the backward once more to write their
-    gradient (`compiled=False` runs the same maths eagerly, for tests)."""
+    """`log_softmax_pick`'s values and gradients: the forward reads the logits for the lse
+    (and once more for the entropy), the backward once to write their gradient
+    (`compiled=False` runs the same maths eagerly, for tests)."""
     return _LogSoftmaxPick.apply(logits, targets, float(temperature), bool(with_entropy), compiled)
 
 
