@@ -11,8 +11,9 @@ MoE, ...) and for the loss, these pure functions are compiled one by one instead
 - `vlmrl.models.mrope.rope_qk` (M-RoPE on queries and keys),
 - `vlmrl.models.gated_delta.decay_and_beta` and `gated_rms_norm` (the Gated DeltaNet
   layer's elementwise steps around fla's kernels),
-- `vlmrl.training.logprobs.log_softmax_pick` (logprobs and entropy when the vocabulary is
-  not sharded; one pass over the bf16 logits instead of a float32 copy),
+- `vlmrl.training.logprobs.logsumexp_pick` and `logsumexp_pick_grad`, the forward and the
+  written-out backward of `fused_log_softmax_pick` (logprobs and entropy when the vocabulary
+  is not sharded; passes over the bf16 logits instead of a float32 copy),
 
 and SwiGLU uses megatron-core's compiled fusion (`bias_activation_fusion`, set by the
 bridge). The plain functions are the reference math and run as they are on CPU; the tests
