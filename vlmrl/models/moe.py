@@ -170,43 +170,37 @@ def _gather_sum(x: Tensor, index: Tensor, repeat: int) -> Tensor:
     return x.index_select(0, index).view(-1, repeat, *x.shape[1:]).sum(1)
 
 
-class _Gather(torch.autograd.Function):
-    """rows = x[index // repeat] (`_spread`) for a permutation `index` of [N * repeat] and its
-    inverse.
+class _Regroup(torch.autograd.Function):
+    """Expert rows regrouped by a permutation `index` of [N * repeat] with its inverse:
+    `_spread` (each token's row once per chosen expert, by expert) or `_gather_sum` (each
+    token's expert rows back in token order, added), each the other's backward.
 
-    Its backward gathers instead of scattering: grad_x[t] = sum over j < repeat of
-    grad[inverse[t * repeat + j]] (`_gather_sum`). torch's index_select backward is an
+    Both directions gather: no backward scatters. torch's index_select backward is an
     index_add into zeros, which with repeated rows (every token once per chosen expert) is
     bf16 atomics on colliding addresses: 0.58 ms per MoE layer at 4096 tokens on an H200, a
     tenth of the MoE step.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor, repeat: int) -> Tensor:
+    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor, repeat: int, spread: bool) -> Tensor:
         ctx.save_for_backward(inverse)
-        ctx.repeat = repeat
-        return _spread(x, index, repeat)
+        ctx.repeat, ctx.spread = repeat, spread
+        return (_spread if spread else _gather_sum)(x, index, repeat)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         (inverse,) = ctx.saved_tensors
-        return _gather_sum(grad, inverse, ctx.repeat), None, None, None
+        return (_gather_sum if ctx.spread else _spread)(grad, inverse, ctx.repeat), None, None, None, None
 
 
-class _GatherSum(torch.autograd.Function):
-    """out[t] = sum over j < repeat of x[index[t * repeat + j]] (`_gather_sum`), the adjoint of
-    `_Gather`: its backward spreads, grad_x[p] = grad[inverse[p] // repeat]."""
+def spread_rows(x: Tensor, order: Tensor, inverse: Tensor, repeat: int) -> Tensor:
+    """rows[p] = x[order[p] // repeat], differentiable (`_Regroup`)."""
+    return _Regroup.apply(x, order, inverse, repeat, True)
 
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor, repeat: int) -> Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.repeat = repeat
-        return _gather_sum(x, index, repeat)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        (inverse,) = ctx.saved_tensors
-        return _spread(grad, inverse, ctx.repeat), None, None, None
+def sum_rows(y: Tensor, inverse: Tensor, order: Tensor, repeat: int) -> Tensor:
+    """out[t] = sum over j < repeat of y[inverse[t * repeat + j]], differentiable (`_Regroup`)."""
+    return _Regroup.apply(y, inverse, order, repeat, False)
 
 
 def _sort_key_dtype(num_experts: int) -> torch.dtype:
@@ -234,7 +228,7 @@ class LocalTokenDispatcher:
     Megatron's permutation), the rows gathered in that order with their router weights, and
     the per-expert counts as a device tensor (column sums of the routing map). combine: the expert outputs
     (already scaled by their weights) put back in token order and summed over the k choices.
-    Both directions gather (`_Gather`): no backward scatters with atomics.
+    Both directions gather (`_Regroup`): no backward scatters with atomics.
     Every shape is fixed by N and k, so nothing waits for the GPU.
     """
 
@@ -256,8 +250,8 @@ class LocalTokenDispatcher:
         self.order, self.inverse = _expert_order(experts.reshape(-1), routing_map.shape[1])
         # counts from the routing map: torch.bincount would read the largest id back to the host
         self.tokens_per_expert = routing_map.sum(0)
-        return (_Gather.apply(x, self.order, self.inverse, k),
-                _Gather.apply(weights.reshape(-1), self.order, self.inverse, 1))
+        return (spread_rows(x, self.order, self.inverse, k),
+                spread_rows(weights.reshape(-1), self.order, self.inverse, 1))
 
     def token_dispatch(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
         return hidden_states, probs
@@ -272,7 +266,7 @@ class LocalTokenDispatcher:
         return hidden_states
 
     def combine_postprocess(self, expert_output: Tensor) -> Tensor:
-        out = _GatherSum.apply(expert_output, self.inverse, self.order, self.topk)
+        out = sum_rows(expert_output, self.inverse, self.order, self.topk)
         self.order = self.inverse = self.tokens_per_expert = None
         return out.view(self.hidden_shape)
 
@@ -296,11 +290,11 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0).to(torch.int32)
-    rows = _Gather.apply(x, order, inverse, topk)  # each token once per chosen expert, by expert
+    rows = spread_rows(x, order, inverse, topk)  # each token once per chosen expert, by expert
     g, u = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
-    y = (y * _Gather.apply(weights.reshape(-1), order, inverse, 1).unsqueeze(-1)).to(x.dtype)
-    out = _GatherSum.apply(y, inverse, order, topk)  # back in token order, summed over the k choices
+    y = (y * spread_rows(weights.reshape(-1), order, inverse, 1).unsqueeze(-1)).to(x.dtype)
+    out = sum_rows(y, inverse, order, topk)  # back in token order, summed over the k choices
     if shared_fc1 is not None:
         sg, su = F.linear(x, shared_fc1).chunk(2, dim=-1)
         shared = F.linear(F.silu(sg) * su, shared_fc2)
