@@ -84,3 +84,20 @@ def test_summarize_reads_a_saved_timeline(tmp_path, capsys):
     rows = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in out.splitlines()[1:]}
     assert rows == {"step span (ms)": 0.21, "GPU busy (ms)": 0.16, "GPU idle (ms)": 0.05, "GEMM": 0.15,
                     "copies and fills": 0.01}
+
+
+def test_ratios_to_the_row_before_and_to_the_first_hf_row():
+    """Interleaved pairs (hf, vlmrl, hf, vlmrl): each vlmrl row against the HF row just
+    before it, and against the run's first HF row (a later HF instance in the same process
+    can be slower); rows before any HF row get None."""
+    from vlmrl.bench.train_gpu import add_ratios
+
+    def row(variant, tps, b2b):
+        return {"variant": variant, "tokens_per_s": tps, "tokens_per_s_back_to_back": b2b}
+
+    rows = [row("vlmrl_x", 50.0, 60.0), row("hf_x", 100.0, 100.0), row("vlmrl_x", 180.0, 190.0),
+            row("hf_x", 80.0, 90.0), row("vlmrl_x", 176.0, 198.0)]
+    add_ratios(rows)
+    got = [(r["vs_hf"], r["vs_hf_back_to_back"], r["vs_first_hf"], r["vs_first_hf_back_to_back"]) for r in rows]
+    assert got == [(None, None, None, None), (1.0, 1.0, 1.0, 1.0), (1.8, 1.9, 1.8, 1.9),
+                   (1.0, 1.0, 0.8, 0.9), (2.2, 2.2, 1.76, 1.98)]
