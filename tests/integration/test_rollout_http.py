@@ -455,7 +455,10 @@ def test_server_under_load_and_bad_input(engine):
     async def walk_away(url: str) -> None:
         import aiohttp
 
-        body = {"text": text, "image_data": images[0], "sampling_params": {"max_new_tokens": 64}}
+        # long enough to be in flight when the client leaves after 50 ms: a repeated prompt's
+        # prefill is cached, and 64 tokens could finish inside the 50 ms on a fast host
+        body = {"text": text, "image_data": images[0],
+                "sampling_params": {"max_new_tokens": 512, "ignore_eos": True}}
         async with aiohttp.ClientSession() as s:
             with pytest.raises(asyncio.TimeoutError):
                 await s.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=0.05))
