@@ -39,18 +39,18 @@ def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.Re
     return reduce_from_tensor_model_parallel_region(x, group)
 
 
-def _wide(logits: Tensor) -> Tensor:
-    """The logits in float32, or wider when they already are (float64 in gradient checks)."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature in float32, or wider when the logits already are (float64 in
+    gradient checks)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return x / temperature if temperature != 1.0 else x
 
 
 def log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float,
                      with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """(log p(target) [T], entropy [T] or None) of log_softmax(logits / temperature) over the
     whole vocabulary, in float32 (or wider)."""
-    x = _wide(logits)
-    if temperature != 1.0:
-        x = x / temperature
+    x = _tempered(logits, temperature)
     logp_all = torch.log_softmax(x, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
@@ -61,9 +61,7 @@ def logsumexp_pick(logits: Tensor, targets: Tensor, temperature: float,
                    with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log p(target), log-partition, entropy or None) of the tempered logits [..., V], in
     float32: the forward of `fused_log_softmax_pick`."""
-    x = _wide(logits)
-    if temperature != 1.0:
-        x = x / temperature
+    x = _tempered(logits, temperature)
     lse = torch.logsumexp(x, dim=-1)
     logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
@@ -77,19 +75,19 @@ def logsumexp_pick_grad(logits: Tensor, targets: Tensor, lse: Tensor, entropy: T
                         g_logp: Tensor | None, g_entropy: Tensor | None, temperature: float) -> Tensor:
     """The gradient of the logits, elementwise given the per-token lse (and entropy): with
     z = x / T, p = softmax(z), d logp(t) / dz = onehot(t) - p and dH / dz = -p (log p + H)."""
-    x = _wide(logits)
-    if temperature != 1.0:
-        x = x / temperature
+    x = _tempered(logits, temperature)
     logp_all = x - lse.unsqueeze(-1)
     p = torch.exp(logp_all)
-    dz = torch.zeros_like(x)
+    dz: Tensor | float = 0.0
     if g_logp is not None:
         onehot = torch.arange(x.shape[-1], device=x.device) == targets.unsqueeze(-1)
-        dz = dz + g_logp.to(x.dtype).unsqueeze(-1) * (onehot.to(x.dtype) - p)
+        dz = g_logp.to(x.dtype).unsqueeze(-1) * (onehot.to(x.dtype) - p)
     if g_entropy is not None:
         if entropy is None:
             raise ValueError("an entropy gradient needs the forward's entropy")
         dz = dz - g_entropy.to(x.dtype).unsqueeze(-1) * p * (logp_all + entropy.unsqueeze(-1))
+    if not isinstance(dz, Tensor):
+        raise ValueError("no gradient given: g_logp and g_entropy are both None")
     if temperature != 1.0:
         dz = dz / temperature
     return dz.to(logits.dtype)
@@ -134,9 +132,7 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, *, temperature: float 
         if fused:
             return fused_log_softmax_pick(logits, targets, temperature, with_entropy)
         return log_softmax_pick(logits, targets, float(temperature), with_entropy)
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
+    x = _tempered(logits, temperature)
     vmax = _all_reduce(x.detach().max(dim=-1, keepdim=True).values, group, dist.ReduceOp.MAX)
     shifted = x - vmax
     exp = shifted.exp()
