@@ -56,8 +56,12 @@ def test_triton_kernels_match_plain(dtype, tol):
         (g2,) = torch.autograd.grad((ref[0] * weights).sum() + ref[1].sum(), logits)
         for a, b in zip(got, ref):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
-        # both round the same float32 gradient to the logits' dtype
-        assert torch.allclose(g1.float(), g2.float(), atol=tol * 1e-2, rtol=tol)
+        # bfloat16: both round the same float32 gradient to the logits' dtype. float32: the
+        # two sum the partition function in different orders, and an lse near 20 carries its
+        # last bit (2e-6) into every probability and entropy term (largest entries near 5):
+        # measured on the CPU, 1.2e-5 to 2.2e-5 apart
+        atol = tol * 1e-2 if dtype == torch.bfloat16 else 1e-5 * float(g2.abs().max())
+        assert torch.allclose(g1.float(), g2.float(), atol=atol, rtol=tol)
 
 
 @pytest.mark.parametrize("fused_kernels", [False, True])

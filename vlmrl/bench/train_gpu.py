@@ -55,6 +55,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -327,6 +328,11 @@ def host_profile(step: Any, name: str) -> None:
     pr.disable()
     print(f"--- {name}: top {CPROFILE_TOP} Python functions by own time (5 steps)")
     pstats.Stats(pr).sort_stats("tottime").print_stats(CPROFILE_TOP)
+    print(f"--- {name}: top {CPROFILE_TOP} Python functions by time with callees (5 steps)")
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(CPROFILE_TOP)
+    # the whole profile, for `python -m pstats` or snakeviz elsewhere
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    pr.dump_stats(OUT_DIR / f"cprofile-{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.prof")
 
 
 OUT_DIR = Path("bench/results")  # --out
