@@ -156,6 +156,31 @@ def test_fused_gated_delta_elementwise_match_plain():
         _assert_close(g1, g2)
 
 
+def test_fused_kernel_inputs_match_plain_on_views_of_the_convolution_output():
+    """The q / k l2 norm and the copies before fla's kernels (`kernel_inputs`, compiled on a
+    GPU): q, k, v come in as strided views of one [T, heads * (2 dk + r dv)] tensor, as
+    `GatedDeltaNet.recurrence` splits them, and come out contiguous, q and k of unit norm."""
+    from vlmrl.models.gated_delta import kernel_inputs
+
+    hk, dk, r, dv = 2, 8, 2, 4
+    for tokens in (5, 23):
+        mixed = torch.randn(tokens, hk * (2 * dk + r * dv)) * 3
+
+        def split(mixed):
+            q, k, v = mixed.view(-1, hk, 2 * dk + r * dv).split([dk, dk, r * dv], dim=-1)
+            return q, k, v.reshape(-1, hk * r, dv)
+
+        plain = lambda m: kernel_inputs(*split(m))  # noqa: E731
+        compiled = lambda m: fused(kernel_inputs)(*split(m))  # noqa: E731
+        (o1, g1), (o2, g2) = _grads(plain, mixed), _grads(compiled, mixed)
+        _assert_close(o1, o2)
+        _assert_close(g1, g2)
+        q, k, v = o2
+        assert all(t.is_contiguous() for t in o2)
+        assert torch.allclose(q.norm(dim=-1), torch.ones(tokens, hk), atol=1e-5)
+        assert torch.allclose(k.norm(dim=-1), torch.ones(tokens, hk), atol=1e-5)
+        assert torch.equal(v, split(mixed)[2])
+
 def test_fused_kernels_reach_the_gated_delta_layers():
     from megatron.core.transformer.spec_utils import ModuleSpec
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compat import to_device
+from .kernels import fused
 
 BACKENDS = ("torch", "fla")
 CHUNK = 64
@@ -319,18 +320,31 @@ def fla_causal_conv1d(x: Tensor, weight: Tensor, offsets: PackedOffsets) -> Tens
     return out.squeeze(0)
 
 
+def kernel_inputs(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
+    """What fla's and FlashQLA's kernels read with `use_qk_l2norm_in_kernel=False`: q and k
+    l2-normalised over the head dim (float32 statistics, back in their dtype, the kernels' own
+    norm), v as is, each one contiguous tensor (q, k, v come in as views of the convolution's
+    output)."""
+    return l2norm(q.float(), eps).to(q.dtype), l2norm(k.float(), eps).to(k.dtype), v.contiguous()
+
+
 def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, offsets: PackedOffsets) -> Tensor:
     """fla's chunked gated delta rule on packed q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]
     (value heads grouped over key heads natively: fla's GVA).
 
     Where fla would dispatch to FlashQLA (Hopper and Blackwell, head size 128), FlashQLA is
     called directly with its context built from the host offsets (`PackedOffsets`): the same
-    kernels and the same split, without the read-back. Elsewhere fla's own path."""
+    kernels and the same split, without the read-back. Elsewhere fla's own path.
+
+    The q / k norm and the copies that make q, k, v contiguous run as one compiled graph
+    (`kernel_inputs`; on a GPU) before the kernels, not as the kernels' own norm: FlashQLA
+    runs that as two compiled calls each way and the copies as three more kernels, each a
+    trip through the host in a forward that waits for the host."""
     _, fla_rule = _fla()
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = (fused(kernel_inputs) if q.is_cuda else kernel_inputs)(q, k, v)
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0))
     kwargs = dict(scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=offsets.cu)
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=offsets.cu)
     backend = _flash_qla_backend()
     if backend is not None and backend.verify("chunk_gated_delta_rule", *args, **kwargs)[0]:
         import flash_qla

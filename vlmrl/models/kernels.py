@@ -10,7 +10,8 @@ MoE, ...) and for the loss, these pure functions are compiled one by one instead
 - `vlmrl.models.norm.rms_norm` (input/pre-MLP/final/qk norms),
 - `vlmrl.models.mrope.rope_qk` (M-RoPE on queries and keys),
 - `vlmrl.models.gated_delta.decay_and_beta` and `gated_rms_norm` (the Gated DeltaNet
-  layer's elementwise steps around fla's kernels),
+  layer's elementwise steps around fla's kernels), and `kernel_inputs` (the q / k l2 norm
+  before them, always compiled on a GPU),
 - `vlmrl.training.logprobs.logsumexp_pick` and `logsumexp_pick_grad`, the forward and the
   written-out backward of `fused_log_softmax_pick` (logprobs and entropy when the vocabulary
   is not sharded; passes over the bf16 logits instead of a float32 copy),
