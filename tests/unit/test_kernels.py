@@ -181,6 +181,7 @@ def test_fused_kernel_inputs_match_plain_on_views_of_the_convolution_output():
         assert torch.allclose(k.norm(dim=-1), torch.ones(tokens, hk), atol=1e-5)
         assert torch.equal(v, split(mixed)[2])
 
+
 def test_fused_kernels_reach_the_gated_delta_layers():
     from megatron.core.transformer.spec_utils import ModuleSpec
 
