@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compat import to_device
-from .kernels import fused
+from .kernels import pick
 
 BACKENDS = ("torch", "fla")
 CHUNK = 64
@@ -341,7 +341,7 @@ def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     runs that as two compiled calls each way and the copies as three more kernels, each a
     trip through the host in a forward that waits for the host."""
     _, fla_rule = _fla()
-    q, k, v = (fused(kernel_inputs) if q.is_cuda else kernel_inputs)(q, k, v)
+    q, k, v = pick(kernel_inputs, q.is_cuda)(q, k, v)
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0))
     kwargs = dict(scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=offsets.cu)
