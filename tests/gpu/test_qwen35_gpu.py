@@ -68,6 +68,7 @@ def test_gated_delta_offsets_from_the_host_match_fla_and_read_nothing_back():
     from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE, _auto_intra_cp_context
 
     from vlmrl.models import gated_delta as gd
+    from vlmrl.models.kernels import pick
 
     assert gd._flash_qla_backend() is not None
     dev, hk, hv, d = torch.device("cuda"), 2, 4, 128
@@ -94,9 +95,10 @@ def test_gated_delta_offsets_from_the_host_match_fla_and_read_nothing_back():
         g, beta = -torch.nn.functional.softplus(a.float()), b.sigmoid()
         if ours:
             o = gd.fla_gated_delta_rule(q, k, v, g, beta, offsets)
-        else:
-            o = fla_rule(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g[None], beta[None],
-                         scale=d ** -0.5, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0][0]
+        else:  # the same q / k norm as ours (one compiled graph before the kernel), so only the offsets differ
+            q, k, v = pick(gd.kernel_inputs, True)(q, k, v)
+            o = fla_rule(q[None], k[None], v[None], g[None], beta[None],
+                         scale=d ** -0.5, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)[0][0]
         o.backward(grad)
         return [o.detach(), x.grad, w.grad, a.grad, b.grad]
 
