@@ -55,6 +55,9 @@ def test_kernels_are_grouped_by_kind_from_their_names():
             "gather / scatter / sort (MoE dispatch and combine, embedding)",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::x>":
             "multi-tensor (optimizer, grad accumulation)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<2>, at::native::(anonymous namespace)::UnaryOpFunctor<c10::BFloat16, 2, 1, 1>, "
+        "at::native::Copy<c10::BFloat16, c10::BFloat16> >": "foreach copies (CUDA graph inputs)",
         "Memcpy DtoD (Device -> Device)": "copies and fills",
         "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>": "copies and fills",
         "triton_poi_fused_mul_silu_split_8": "other compiled (Inductor)",

@@ -214,6 +214,9 @@ KERNEL_KINDS = (
     ("short convolution", ("conv",)),
     ("gather / scatter / sort (MoE dispatch and combine, embedding)", ("index", "gather", "scatter", "radix",
                                                                        "sort", "histc", "bincount")),
+    # torch's foreach copy: in a bench step (no optimizer), the CUDA graph trees copying each
+    # replay's inputs that no earlier graph produced into the graph's own buffers
+    ("foreach copies (CUDA graph inputs)", ("native::copy<",)),
     ("multi-tensor (optimizer, grad accumulation)", ("multi_tensor",)),
     ("copies and fills", ("memcpy", "memset", "copy_kernel", "fillfunctor")),
     ("other compiled (Inductor)", ("triton_",)),
