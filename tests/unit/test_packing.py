@@ -196,3 +196,30 @@ def test_cp_split_carries_positions_and_images(cp):
 def test_cp_split_of_one_is_identity():
     whole = pack([_sample(2, [], 3, 0)], image_token_id=IMG, spatial_merge_size=MERGE)
     assert split_for_cp(whole, 1, 0) is whole
+
+
+def test_split_samples_gives_each_sample_and_its_gradient_with_gaps():
+    from vlmrl.models.attention import split_samples
+
+    x = torch.randn(20, 3, requires_grad=True)
+    offsets, lens = [2, 7, 7, 15], [5, 0, 6, 3]  # a leading gap, an empty sample, a gap, a tail
+    parts = split_samples(x, offsets, lens)
+    assert [p.shape[0] for p in parts] == lens
+    for p, a, n in zip(parts, offsets, lens):
+        assert torch.equal(p, x[a:a + n])
+    w = torch.randn(20, 3)
+    sum((p * w[a:a + n]).sum() for p, a, n in zip(parts, offsets, lens)).backward()
+    expected = torch.zeros(20, 3)
+    for a, n in zip(offsets, lens):
+        expected[a:a + n] = w[a:a + n]
+    assert torch.equal(x.grad, expected)  # gaps get zero gradient
+
+
+def test_split_samples_rejects_overlap_and_overrun():
+    from vlmrl.models.attention import split_samples
+
+    x = torch.zeros(10, 2)
+    with pytest.raises(ValueError, match="overlap or are out of order at offset 3"):
+        split_samples(x, [0, 3], [4, 2])
+    with pytest.raises(ValueError, match="past the 10 tokens"):
+        split_samples(x, [0, 6], [6, 5])
