@@ -57,22 +57,12 @@ def log_softmax_pick(logits: Tensor, targets: Tensor, temperature: float,
     return logp, entropy
 
 
-def _logsumexp(x: Tensor) -> Tensor:
-    """logsumexp over the last dim as a max, then the sum of exp(x - max): the form Inductor
-    fuses into one pass over x on a GPU (its online softmax). torch.logsumexp decomposes with
-    an infinity guard between its two reductions, which keeps them two passes over the
-    logits. A row holding only -inf gives NaN here (torch.logsumexp: -inf); model logits
-    hold none."""
-    m = x.amax(-1, keepdim=True)
-    return (m + (x - m).exp().sum(-1, keepdim=True).log()).squeeze(-1)
-
-
 def logsumexp_pick(logits: Tensor, targets: Tensor, temperature: float,
                    with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log p(target), log-partition, entropy or None) of the tempered logits [..., V], in
     float32: the forward of `fused_log_softmax_pick`."""
     x = _tempered(logits, temperature)
-    lse = _logsumexp(x)
+    lse = torch.logsumexp(x, dim=-1)
     logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:
