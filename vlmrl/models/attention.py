@@ -291,8 +291,8 @@ def split_samples(x: Tensor, offsets: list[int], lens: list[int]) -> list[Tensor
     """The samples x[a:a + n] (ascending, not overlapping) as views from one `torch.split`.
 
     Its backward is one concatenation. A slice per sample would give each sample's gradient
-    a zero-filled tensor the size of x, then add them all up: with 64 samples of a CPU RL
-    micro-batch that was a quarter of the tiny model's training step."""
+    a zero-filled tensor the size of x, then add them all up: for six layers' attention over
+    64 samples on one CPU thread, 0.9 s against 0.32 s through the split."""
     sizes: list[int] = []
     keep: list[int] = []
     pos = 0
