@@ -202,6 +202,11 @@ def test_fused_layers_on_cuda():
         r = res[kind]
         assert r["fp32"] <= 1e-4, (kind, r)
         assert r["moe_compiled"] and r["bf16_fast"] <= 1.5 * r["bf16_megatron"] + 1e-2, (kind, r)
+        # bf16: the compiled MoE block runs inside the mixer's output graph, reported as its own span
+        assert r["bf16_spans"] == [(kind, "start"), (kind, "stop"), ("moe", "start"), ("moe", "stop")], r
+    assert res["observed_spans_bf16"] == {"gdn": 3, "attention": 1, "moe": 4}
+    assert len(res["routed_layers_bf16"]) == 4
+    assert set(res["routed_layers_bf16"].values()) == {res["routed_expected"]}
 
 
 def _graph_steps(rank: int, world: int, cfg, path: str) -> dict:

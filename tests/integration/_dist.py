@@ -185,8 +185,9 @@ def fused_layer_worker(rank: int, world_size: int, lens: tuple[int, ...], device
         out[kind] = {"fp32": worst(f32, m32), "spans": list(spans),
                      "moe_compiled": bool(getattr(layer.mlp, "compiled", False))}
         if bf16:
+            spans.clear()
             m16, f16 = run(layer, False, torch.bfloat16), run(layer, True, torch.bfloat16)
-            out[kind].update(bf16_fast=worst(f16, m32), bf16_megatron=worst(m16, m32))
+            out[kind].update(bf16_fast=worst(f16, m32), bf16_megatron=worst(m16, m32), bf16_spans=list(spans))
 
     # the trainer's step observer on the whole chunk: mixer spans from the fast path, MoE spans
     # from the module hooks, one each per layer; closing it takes the sinks away again
@@ -197,6 +198,14 @@ def fused_layer_worker(rank: int, world_size: int, lens: tuple[int, ...], device
     chunk(packed)[0].float().sum().backward()
     out["observed_spans"] = {k: sum(m[0] == "done" for m in v) for k, v in observer._events.items()}
     observer.close()
+    if bf16:  # the same in bf16, where the MoE block runs inside each layer's output graph
+        chunk.to(torch.bfloat16)
+        observer = StepObserver([chunk])
+        chunk(packed)[0].float().sum().backward()
+        out["observed_spans_bf16"] = {k: sum(m[0] == "done" for m in v) for k, v in observer._events.items()}
+        out["routed_layers_bf16"] = {layer: float(c.sum()) for layer, c in observer._counts.items()}
+        out["routed_expected"] = float(total * chunk.config.moe_router_topk)
+        observer.close()
     out["sinks_left"] = sum(hasattr(m, "vlmrl_span_sink") for m in layers)
     out["compiled_graphs"] = _compiled_graphs()
     return out

@@ -18,9 +18,12 @@ unchanged) but runs its forward as one of
       recurrence      short convolution + gated delta rule (fla's kernels or torch)            eager
       gdn_out         gated RMSNorm -> out-proj GEMM -> residual -> pre-MLP RMSNorm [-> MLP]  compiled
 
-A dense SwiGLU MLP (and its residual) is part of the second graph; any other MLP (the MoE
-block, itself one compiled graph with `LocalMoELayer`) is called as its module on the
-normed output, so its hooks and routing statistics work as in Megatron's forward. The
+A dense SwiGLU MLP (and its residual) is part of the second graph, and so is an all-local
+MoE block where `LocalMoELayer` would run it compiled (`moe.moe_forward`: router, dispatch,
+grouped experts, combine, shared expert): one graph replay fewer per layer each way, and
+no MoE module call, on a step the host otherwise paces. Its tokens per expert still reach
+the router's observer. Any other MLP is called as its module on the normed output, so its
+hooks and routing statistics work as in Megatron's forward. The
 compiled functions take the weights as arguments, so all layers of a kind share one graph
 each (forward and backward), whatever their index. The eager middle keeps its per-sample
 layout as host data that a graph would have to be specialised on.
@@ -44,6 +47,7 @@ from .attention import GroupedSelfAttention, PackedSelfAttentionCore, VLPackedSe
 from .gated_delta import decay_and_beta, gated_rms_norm
 from .gdn import GatedDeltaNet
 from .kernels import fused
+from .moe import LocalMoELayer, moe_forward
 from .mrope import rope_qk
 from .norm import RMSNorm, rms_norm
 
@@ -54,14 +58,21 @@ def _norm(x: Tensor, norm: Norm) -> Tensor:
     return rms_norm(x, *norm)
 
 
-def _mlp_or_norm(h: Tensor, norm: Norm, fc1_w: Tensor | None, fc2_w: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """After the mixer's residual h [T, 1, H]: with a dense SwiGLU MLP's weights, the layer's
-    output and None; without, h and its pre-MLP norm (the MLP module runs next)."""
+def _mlp_or_norm(h: Tensor, norm: Norm, fc1_w: Tensor | None, fc2_w: Tensor | None,
+                 moe: tuple[Any, ...] | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """After the mixer's residual h [T, 1, H] -> (output, normed, tokens per expert):
+    with a dense SwiGLU MLP's weights, (the layer's output, None, None); with the all-local
+    MoE block's arguments (`LocalMoELayer.block_args`), (the layer's output, None, the
+    block's tokens per expert [E]); with neither, (h, its pre-MLP norm, None): the MLP module
+    runs next."""
     x = _norm(h, norm)
+    if moe is not None:
+        y, counts = moe_forward(x.reshape(-1, x.shape[-1]), *moe)
+        return h + y.view_as(h), None, counts
     if fc1_w is None:
-        return h, x
+        return h, x, None
     gate, up = F.linear(x, fc1_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, fc2_w), None
+    return h + F.linear(F.silu(gate) * up, fc2_w), None, None
 
 
 def attention_in(h: Tensor, norm: Norm, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Norm | None,
@@ -88,13 +99,14 @@ def attention_in(h: Tensor, norm: Norm, qkv_w: Tensor, qkv_b: Tensor | None, q_n
 
 
 def attention_out(ctx: Tensor, gate: Tensor | None, residual: Tensor, proj_w: Tensor, norm: Norm,
-                  fc1_w: Tensor | None = None, fc2_w: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                  fc1_w: Tensor | None = None, fc2_w: Tensor | None = None,
+                  moe: tuple[Any, ...] | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Attention output [T, heads * d] (times sigmoid(gate) in float32, as Megatron's output
     gate) -> out-proj -> + residual [T, 1, H] -> `_mlp_or_norm`."""
     if gate is not None:
         ctx = (ctx * torch.sigmoid(gate.float())).to(ctx.dtype)
     h = residual + F.linear(ctx, proj_w).view_as(residual)
-    return _mlp_or_norm(h, norm, fc1_w, fc2_w)
+    return _mlp_or_norm(h, norm, fc1_w, fc2_w, moe)
 
 
 def gdn_in(h: Tensor, norm: Norm, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor, a_log: Tensor,
@@ -107,12 +119,13 @@ def gdn_in(h: Tensor, norm: Norm, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: 
 
 
 def gdn_out(o: Tensor, z: Tensor, gate_norm_w: Tensor, gate_eps: float, residual: Tensor, out_w: Tensor,
-            norm: Norm, fc1_w: Tensor | None = None, fc2_w: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            norm: Norm, fc1_w: Tensor | None = None, fc2_w: Tensor | None = None,
+            moe: tuple[Any, ...] | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Recurrence output o [T, Hv, dv] -> gated RMSNorm (gate z) -> out-proj -> + residual ->
     `_mlp_or_norm`."""
     o = gated_rms_norm(o, z.view_as(o), gate_norm_w, gate_eps)
     h = residual + F.linear(o.reshape(o.shape[0], -1), out_w).view_as(residual)
-    return _mlp_or_norm(h, norm, fc1_w, fc2_w)
+    return _mlp_or_norm(h, norm, fc1_w, fc2_w, moe)
 
 
 class FusedTransformerLayer(TransformerLayer):
@@ -121,7 +134,10 @@ class FusedTransformerLayer(TransformerLayer):
     `fast_path`: the layer's modules allow it (checked once at build); each forward also checks
     its inputs. An observer may set `vlmrl_span_sink(layer, kind, edge)`: on the fast path the
     layer reports the start and end of its mixer ("attention" or "gdn") through it, since the
-    mixer module itself is not called (an MLP fused into the graph counts with the mixer)."""
+    mixer module itself is not called (a dense MLP fused into the graph counts with the
+    mixer). A MoE block fused into the output graph is reported as a "moe" span that covers
+    that whole graph: the mixer's gate or gated norm, out-projection and pre-MLP norm count
+    as MoE time there."""
 
     cuda_graphs = False  # its graphs replayed as CUDA graphs (`kernels.use_cuda_graphs`)
 
@@ -187,22 +203,36 @@ class FusedTransformerLayer(TransformerLayer):
         n1, n2 = self.input_layernorm, self.pre_mlp_layernorm
         norm1, norm2 = (n1.weight, n1.eps, n1.zero_centered), (n2.weight, n2.eps, n2.zero_centered)
         fc = (self.mlp.linear_fc1.weight, self.mlp.linear_fc2.weight) if self.fused_mlp else (None, None)
-        sink = getattr(self, "vlmrl_span_sink", None)
-        if sink is not None:
-            sink(self, self.mixer_kind, "start")
+        moe = self.mlp.block_args() if isinstance(self.mlp, LocalMoELayer) and self.mlp.compiles(h) else None
+        self._span(self.mixer_kind, "start")
         if self.mixer_kind == "attention":
-            out, x = self._attention(h, p, norm1, norm2, fc)
+            out, x, counts = self._attention(h, p, norm1, norm2, fc, moe)
         else:
-            out, x = self._gdn(h, p, norm1, norm2, fc)
-        if sink is not None:
-            sink(self, self.mixer_kind, "stop")
+            out, x, counts = self._gdn(h, p, norm1, norm2, fc, moe)
+        self._span("moe" if moe is not None else self.mixer_kind, "stop")
+        if counts is not None:
+            self.mlp.report_routing(counts, h.shape[0] * h.shape[1])
         if x is not None:  # the MLP module on the normed output, then its residual
             mlp_out, mlp_bias = self.mlp(x)
             out = out + (mlp_out if mlp_bias is None else mlp_out + mlp_bias)
         return out, kwargs.get("context")
 
+    def _span(self, kind: str, edge: str) -> None:
+        sink = getattr(self, "vlmrl_span_sink", None)
+        if sink is not None:
+            sink(self, kind, edge)
+
+    def _output_graph(self, fn: Any, *args: Any, moe: tuple[Any, ...] | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The mixer's output graph (`attention_out` / `gdn_out`); with the compiled MoE block's
+        arguments, the block runs inside it, and its span is reported from here on."""
+        if moe is not None:
+            self._span(self.mixer_kind, "stop")
+            self._span("moe", "start")
+        return fused(fn, self.cuda_graphs)(*args, moe=moe)
+
     def _attention(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
-                   fc: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+                   fc: tuple[Tensor | None, Tensor | None],
+                   moe: tuple[Any, ...] | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         attn, c = self.self_attention, self.config
         gated = bool(getattr(c, "attention_output_gate", False))
 
@@ -213,13 +243,14 @@ class FusedTransformerLayer(TransformerLayer):
             h, norm1, attn.linear_qkv.weight, attn.linear_qkv.bias, qk(attn.q_layernorm), qk(attn.k_layernorm),
             p.rope_cos, p.rope_sin, c.num_attention_heads, c.num_query_groups, c.kv_channels, gated)
         ctx = attn.core_attention.attend(q, k, v, p)
-        return fused(attention_out, self.cuda_graphs)(ctx, gate, h, attn.linear_proj.weight, norm2, *fc)
+        return self._output_graph(attention_out, ctx, gate, h, attn.linear_proj.weight, norm2, *fc, moe=moe)
 
     def _gdn(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
-             fc: tuple[Tensor | None, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+             fc: tuple[Tensor | None, Tensor | None],
+             moe: tuple[Any, ...] | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         m = self.self_attention
         mixed, z, g, beta = fused(gdn_in, self.cuda_graphs)(
             h, norm1, m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, m.in_proj_a.weight, m.A_log,
             m.dt_bias)
         o = m.recurrence(mixed, g, beta, p, m.conv1d.weight.squeeze(1), m.hk, m.hv)
-        return fused(gdn_out, self.cuda_graphs)(o, z, m.norm.weight, m.eps, h, m.out_proj.weight, norm2, *fc)
+        return self._output_graph(gdn_out, o, z, m.norm.weight, m.eps, h, m.out_proj.weight, norm2, *fc, moe=moe)

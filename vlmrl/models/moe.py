@@ -325,16 +325,28 @@ class LocalMoELayer(MoELayer):
                 and _groupable(hidden_states)):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out, counts = fused(moe_forward, self.cuda_graphs)(x, *self.block_args())
+        self.report_routing(counts, x.shape[0])
+        return out.view(hidden_states.shape), None
+
+    def compiles(self, x: Tensor) -> bool:
+        """Whether a forward on activations like `x` runs the compiled block."""
+        return self.compiled and _groupable(x)
+
+    def block_args(self) -> tuple[Any, ...]:
+        """`moe_forward`'s arguments after the tokens: the router, the experts and the shared
+        expert's weights (None where the layer has no shared expert or no gate)."""
         shared = self.shared_experts
-        out, counts = fused(moe_forward, self.cuda_graphs)(
-            x, self.router.weight, self.router.topk, self.experts.gate_up_proj, self.experts.down_proj,
-            shared.linear_fc1.weight if shared is not None else None,
-            shared.linear_fc2.weight if shared is not None else None,
-            shared.gate_weight if shared is not None and shared.use_shared_expert_gate else None)
+        return (self.router.weight, self.router.topk, self.experts.gate_up_proj, self.experts.down_proj,
+                shared.linear_fc1.weight if shared is not None else None,
+                shared.linear_fc2.weight if shared is not None else None,
+                shared.gate_weight if shared is not None and shared.use_shared_expert_gate else None)
+
+    def report_routing(self, counts: Tensor, tokens: int) -> None:
+        """Hand the compiled block's tokens per expert to the router's observer, if one is set."""
         sink = getattr(self.router, "vlmrl_routing_sink", None)
         if sink is not None:
-            sink(self.router, counts, x.shape[0])
-        return out.view(hidden_states.shape), None
+            sink(self.router, counts, tokens)
 
 
 def _groupable(x: Tensor) -> bool:
