@@ -30,6 +30,8 @@ one more forward) runs router, dispatch, grouped experts, combine and the gated 
 expert as ONE Inductor-compiled graph, `moe_forward`, forward and backward, instead of about
 forty eager kernels and their Python: on one GPU the MoE blocks are otherwise bound by the
 host's kernel launches. The graph takes the weights as arguments, so all MoE layers share it.
+On `FusedTransformerLayer`'s fast path the same function runs inside the layer's output
+graph instead (`block_args`, `report_routing`), and the module itself is not called.
 It is used where its maths is Megatron's configuration exactly (`compiled_path_problem`
 names what rules it out: top-k softmax routing in float32 without auxiliary losses, expert
 bias, grouping or capacity; bf16 activations on Hopper or newer, or on the CPU in tests);
