@@ -133,3 +133,22 @@ def test_the_image_determines_the_answer(splits):
     for r in splits["test"]:
         template = by_text[r["problem"]]
         assert str(template.answer(count_dots(pixels(r)))) == r["answer"]
+
+
+def test_a_cached_split_is_the_built_split_byte_for_byte(tmp_path):
+    """With `cache_dir`, the first call saves the split and the next loads it: the same rows,
+    bytes included, as a build without the cache; other settings make another entry, and no
+    temporary entry is left behind."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, num_train=40, cache_dir=str(tmp_path))
+    built = list(raw_rows(build_synthetic(replace(cfg, cache_dir=""), "train")))
+    first = list(raw_rows(build_synthetic(cfg, "train")))
+    (entry,) = tmp_path.iterdir()
+    stamp = entry.stat().st_mtime_ns
+    again = list(raw_rows(build_synthetic(cfg, "train")))
+    assert first == built and again == built
+    assert entry.stat().st_mtime_ns == stamp  # loaded, not written again
+    other = list(raw_rows(build_synthetic(replace(cfg, seed=CFG.seed + 1), "train")))
+    assert other != built
+    assert sorted(p.name.startswith("train-40-") for p in tmp_path.iterdir()) == [True, True]

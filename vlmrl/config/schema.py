@@ -204,6 +204,10 @@ class SyntheticDataConfig(Sealable):
     # pixels per side; null: 4 merged image tokens of the model's vision tower per side
     # (112 for 14 px patches merged 2x2, 128 for 16 px ones), one dot per token cell
     image_size: int | None = None
+    # where built splits are kept (keyed by these settings, the split, the image size and the
+    # generator's code), so a later run loads them instead of drawing them again; "" builds
+    # every time
+    cache_dir: str = ""
 
 
 @dataclass

@@ -24,9 +24,13 @@ from __future__ import annotations
 import colorsys
 import hashlib
 import math
+import os
 import random
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw
@@ -79,13 +83,64 @@ def image_size_for(cfg: SyntheticDataConfig, cell: int | None) -> int:
 def build_synthetic(cfg: SyntheticDataConfig, split: str, *, cell: int | None = None) -> Any:
     """The `split` ("train" or "test") of the procedural task as a `datasets.Dataset` with
     columns problem, answer, images; identical bytes for identical (cfg, split, cell).
-    `cell`: pixels per merged image token of the model (patch size x merge size)."""
+    `cell`: pixels per merged image token of the model (patch size x merge size).
+
+    With `cfg.cache_dir` set, a split built once is saved there (`Dataset.save_to_disk`) and
+    loaded by later calls: drawing and PNG-encoding the default 2,048 training rows takes
+    seconds at every run's start. The entry's name is a hash of everything the rows depend
+    on (`cache_key`), so a changed setting or generator builds a new one."""
     import datasets
 
     num_rows = {"train": cfg.num_train, "test": cfg.num_test}.get(split)
     if num_rows is None:
         raise ValueError(f"the synthetic task has splits {SPLITS}, not {split!r}")
-    rows = generate_rows(num_rows, seed=cfg.seed, split=split, image_size=image_size_for(cfg, cell))
+    image_size = image_size_for(cfg, cell)
+    if not cfg.cache_dir:
+        return _build(num_rows, cfg.seed, split, image_size)
+    path = Path(cfg.cache_dir) / f"{split}-{num_rows}-{cache_key(cfg.seed, split, num_rows, image_size)}"
+    if path.is_dir():
+        return datasets.load_from_disk(str(path))
+    ds = _build(num_rows, cfg.seed, split, image_size)
+    _save_atomically(ds, path)
+    return datasets.load_from_disk(str(path))
+
+
+def cache_key(seed: int, split: str, num_rows: int, image_size: int) -> str:
+    """What a split's bytes depend on: its settings, this module's code (the templates and the
+    renderer), and the versions of Pillow (PNG encoding) and datasets (the storage format)."""
+    import datasets
+    import PIL
+
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    text = repr((seed, split, num_rows, image_size, code, PIL.__version__, datasets.__version__))
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _save_atomically(ds: Any, path: Path) -> None:
+    """Write `ds` under a temporary name beside `path`, then rename it into place: a reader
+    sees a whole entry or none, and of two runs building the same entry one rename wins."""
+    import datasets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    shown = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(tmp))
+        os.rename(tmp, path)
+    except OSError:
+        if not path.is_dir():  # not a lost race with another run: a real failure
+            raise
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(num_rows: int, seed: int, split: str, image_size: int) -> Any:
+    import datasets
+
+    rows = generate_rows(num_rows, seed=seed, split=split, image_size=image_size)
     features = datasets.Features({
         "problem": datasets.Value("string"),
         "answer": datasets.Value("string"),
