@@ -106,12 +106,15 @@ def build_synthetic(cfg: SyntheticDataConfig, split: str, *, cell: int | None = 
 
 
 def cache_key(seed: int, split: str, num_rows: int, image_size: int) -> str:
-    """What a split's bytes depend on: its settings, this module's code (the templates and the
-    renderer), and the versions of Pillow (PNG encoding) and datasets (the storage format)."""
+    """What a split's bytes depend on: its settings, the code of this module (the templates and
+    the renderer) and of `images` (the PNG encoder), and the versions of Pillow (PNG encoding)
+    and datasets (the storage format)."""
     import datasets
     import PIL
 
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    from . import images
+
+    code = hashlib.sha256(Path(__file__).read_bytes() + Path(images.__file__).read_bytes()).hexdigest()
     text = repr((seed, split, num_rows, image_size, code, PIL.__version__, datasets.__version__))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
