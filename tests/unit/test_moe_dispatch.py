@@ -106,3 +106,29 @@ def test_expert_order_on_narrow_keys_is_the_stable_sort(num_experts):
     assert torch.equal(order, torch.argsort(flat, stable=True))
     assert torch.equal(order[inverse], torch.arange(flat.numel()))
     assert _sort_key_dtype(num_experts) == (torch.uint8 if num_experts <= 256 else torch.int16)
+
+
+def test_router_logits_of_bf16_inputs_are_the_float32_gemm():
+    """The compiled block's router GEMM for bf16 tokens and weights (`router_logits`): its
+    forward is Megatron's float32 GEMM of the upcast inputs (the products of bf16 numbers are
+    exact in float32); its gradients, which enter as two bf16 terms each, are those of the
+    float32 GEMM to far below bf16's rounding: after the cast to bf16, the same numbers but
+    for entries that sit on a rounding boundary (under 1% here), each off by one bf16 step."""
+    from vlmrl.models.moe import router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 64).bfloat16().requires_grad_()
+    w = (torch.randn(16, 64) * 0.1).bfloat16().requires_grad_()
+    g = torch.randn(300, 16)
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32
+    out.backward(g)
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = F.linear(xr, wr)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-5)
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad)):
+        assert got.dtype == torch.bfloat16
+        same = (got == want.bfloat16()).float().mean().item()
+        assert same > 0.99, same
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())

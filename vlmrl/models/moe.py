@@ -15,7 +15,11 @@ loop over the experts that received tokens elsewhere. Expert parallelism shards 
 (this rank holds experts [ep_rank * E_local, (ep_rank + 1) * E_local)); expert tensor
 parallelism is not supported (validation asks for parallel.etp=1).
 
-The router's output weight of each token is applied after the down projection, as HF does.
+The router's output weight of each token scales its SwiGLU activation, before the down
+projection, as Megatron's own grouped experts apply their probabilities. HF scales the down
+projection's output instead; the projection is linear without a bias, so the maths is the
+same, with one bf16 rounding fewer here, and the weights' gradient is a sum over the expert
+width (512 in Qwen3.5-35B-A3B) instead of the hidden width (2048).
 
 Where every expert of a MoE layer lives on this rank (expert parallel size 1, expert tensor
 parallel size 1, any TP/SP/CP/DP around it), `use_local_dispatch` gives Megatron's MoELayer
@@ -61,7 +65,8 @@ def _can_group(x: Tensor, w: Tensor) -> bool:
 def expert_mlp(x: Tensor, tokens_per_expert: list[int] | Tensor, gate_up: Tensor, down: Tensor,
                probs: Tensor | None = None, *, grouped: bool | None = None) -> Tensor:
     """SwiGLU experts on tokens sorted by expert: x [N, H] (the first tokens_per_expert[0]
-    rows go to expert 0, ...) -> [N, H], each row scaled by its router weight `probs` [N].
+    rows go to expert 0, ...) -> [N, H], each row scaled by its router weight `probs` [N]
+    (applied to the SwiGLU activation, before the down projection: module docstring).
 
     grouped: torch's grouped GEMM (one kernel per projection for all experts); None picks it
     where it runs (CUDA, bf16, Hopper or newer), else a loop over the experts with tokens.
@@ -72,8 +77,7 @@ def expert_mlp(x: Tensor, tokens_per_expert: list[int] | Tensor, gate_up: Tensor
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = counts.cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)
-        g, u = h.chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(_weighted_swiglu(h, probs), down.transpose(1, 2), offs=offs)
     else:
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, Tensor) else list(tokens_per_expert)
         parts = []
@@ -85,15 +89,23 @@ def expert_mlp(x: Tensor, tokens_per_expert: list[int] | Tensor, gate_up: Tensor
             if n == 0:
                 continue
             rows = x[start:start + n]
-            g, u = F.linear(rows, gate_ups[e]).chunk(2, dim=-1)
-            parts.append(F.linear(F.silu(g) * u, downs[e]))
+            act = _weighted_swiglu(F.linear(rows, gate_ups[e]), None if probs is None else probs[start:start + n])
+            parts.append(F.linear(act, downs[e]))
             start += n
         out = torch.cat(parts) if parts else x.new_zeros(0, down.shape[1])
         if start != x.shape[0]:
             raise ValueError(f"tokens_per_expert sums to {start}, the input has {x.shape[0]} rows")
-    if probs is not None:
-        out = (out * probs.unsqueeze(-1)).to(x.dtype)
     return out
+
+
+def _weighted_swiglu(h: Tensor, probs: Tensor | None) -> Tensor:
+    """silu(gate) * up of the fused [gate; up] rows h [N, 2I], each row scaled by its router
+    weight probs [N] (float32) where given, in h's dtype: the down projection's input."""
+    g, u = h.chunk(2, dim=-1)
+    act = F.silu(g) * u
+    if probs is None:
+        return act
+    return (act * probs.unsqueeze(-1)).to(h.dtype)
 
 
 class HFExperts(MegatronModule):
@@ -146,6 +158,57 @@ class HFExperts(MegatronModule):
                 f"{prefix}{name}", tensor, *sharded_offsets, (prepend, ep_rank, ep_size),
                 replica_id=(0, 0, dp_rank), prepend_axis_num=prepend)
         return out
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with a float32 result: on CUDA one bf16 GEMM accumulating in float32
+    (`torch.mm(..., out_dtype=)`), elsewhere a float32 GEMM of the upcast inputs."""
+    if a.is_cuda and a.dtype == torch.bfloat16:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _bf16_pair(g: Tensor) -> Tensor:
+    """A float32 tensor as two bf16 terms [hi, lo] stacked on a new first axis, hi + lo = g to
+    about 2^-16 of each entry (bf16 keeps 8 significant bits, each term one byte of g's 24)."""
+    hi = g.to(torch.bfloat16)
+    return torch.stack((hi, (g - hi.float()).to(torch.bfloat16)))
+
+
+class _RouterLogits(torch.autograd.Function):
+    """x [N, H] @ w [E, H]^T in float32 from bf16 x and w, on tensor cores.
+
+    Megatron's router (`moe_router_dtype=fp32`) upcasts both to float32 first, and float32
+    GEMMs run on the SIMT cores: 0.8 ms a step in the Qwen3.5-MoE bench's eight layers on an
+    H200, a tenth of the grouped experts' time. The forward here is the same sum: products of
+    bf16 numbers are exact in float32, so a bf16 GEMM accumulating in float32 computes what
+    the float32 GEMM does, up to the order of the additions. The backward's incoming gradient
+    is float32; it enters each GEMM as two bf16 terms (`_bf16_pair`), one GEMM with the terms
+    side by side along the summed axis for x's gradient and one with them stacked for w's,
+    exact to about 2^-16 of each entry. Both gradients are then rounded to bf16 (the dtype of x
+    and w), which keeps 2^-8."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return _mm_f32(x, w.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        pair = _bf16_pair(grad.float())  # [2, N, E]
+        num_experts = w.shape[0]
+        dx = _mm_f32(torch.cat((pair[0], pair[1]), dim=1), torch.cat((w, w)))  # [N, 2E] @ [2E, H]
+        dw = _mm_f32(pair.transpose(1, 2).reshape(2 * num_experts, -1), x)  # [2E, N] @ [N, H]
+        return dx.to(x.dtype), (dw[:num_experts] + dw[num_experts:]).to(w.dtype)
+
+
+def router_logits(x: Tensor, w: Tensor) -> Tensor:
+    """The router's float32 logits x [N, H] @ w [E, H]^T: `_RouterLogits` for bf16 x and w,
+    else a float32 GEMM of the upcast inputs (Megatron's `moe_router_dtype=fp32`)."""
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
+        return _RouterLogits.apply(x, w)
+    return F.linear(x.float(), w.float())
 
 
 def _spread(x: Tensor, index: Tensor, repeat: int) -> Tensor:
@@ -278,13 +341,13 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
     """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], tokens per expert [E]).
 
     Megatron's maths for this configuration (see `compiled_path_problem`): router logits in
-    float32, the top-k logits' softmax as the weights, tokens stably sorted by expert (token
-    order within an expert), one grouped GEMM per projection, each output row scaled by its
-    weight and cast back, rows put back in token order and summed over the k choices, plus the
+    float32 (`router_logits`), the top-k logits' softmax as the weights, tokens stably sorted
+    by expert (token order within an expert), one grouped GEMM per projection, each row's
+    SwiGLU activation scaled by its weight, rows put back in token order and summed over the k choices, plus the
     shared expert's SwiGLU scaled by the sigmoid of its gate. Shapes depend on N only: no host sync.
     """
     num_experts = gate_up.shape[0]
-    logits = F.linear(x.float(), router_w.float())
+    logits = router_logits(x, router_w)
     top, experts = torch.topk(logits, topk, dim=1)
     weights = torch.softmax(top, dim=-1, dtype=torch.float32)
     flat = experts.reshape(-1)
@@ -293,9 +356,9 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0).to(torch.int32)
     rows = spread_rows(x, order, inverse, topk)  # each token once per chosen expert, by expert
-    g, u = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
-    y = (y * spread_rows(weights.reshape(-1), order, inverse, 1).unsqueeze(-1)).to(x.dtype)
+    h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+    act = _weighted_swiglu(h, spread_rows(weights.reshape(-1), order, inverse, 1))
+    y = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
     out = sum_rows(y, inverse, order, topk)  # back in token order, summed over the k choices
     if shared_fc1 is not None:
         sg, su = F.linear(x, shared_fc1).chunk(2, dim=-1)
