@@ -209,3 +209,36 @@ def fused_layer_worker(rank: int, world_size: int, lens: tuple[int, ...], device
     out["sinks_left"] = sum(hasattr(m, "vlmrl_span_sink") for m in layers)
     out["compiled_graphs"] = _compiled_graphs()
     return out
+
+
+def bench_weights_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """The Qwen3.5-MoE bench's weight sharing (`vlmrl.bench.train_gpu`) on the miniature, in
+    float32 on the CPU: HF's seeded text model twice (the same weights), then copied into
+    vlmrl's Megatron model; returns the worst logit difference on one sequence, and how
+    many tensors were copied against the language model's parameter count."""
+    import torch
+
+    from vlmrl.bench import train_gpu
+    from vlmrl.config import load
+    from vlmrl.config.schema import ParallelConfig
+    from vlmrl.models.bridge import build_model
+    from vlmrl.training.batch import TrainSample, build_micro_batch
+    from vlmrl.training.parallel_state import init_parallel_state
+
+    init_parallel_state(ParallelConfig(), backend="gloo", seed=0)
+    mcfg = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    model = build_model(mcfg, ParallelConfig(), params_dtype=torch.float32, gdn_backend="torch")[0].eval()
+    hf = train_gpu.hf_qwen35_moe_model(mcfg).eval()
+    again = train_gpu.hf_qwen35_moe_model(mcfg)
+    same_init = all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), again.state_dict().values()))
+    copied = train_gpu.load_hf_language_model(model, mcfg, hf)
+    ids = torch.randint(0, min(mcfg.lm.vocab_size, mcfg.vision_start_token_id), (50,),
+                        generator=torch.Generator().manual_seed(0))
+    mb = build_micro_batch([TrainSample(input_ids=ids.tolist(), loss_mask=[0.0] + [1.0] * 49)],
+                           image_token_id=mcfg.image_token_id, spatial_merge_size=2)
+    with torch.no_grad():
+        ours = model(mb.packed).reshape(50, -1)
+        ref = hf(input_ids=ids.view(1, -1), use_cache=False).logits.reshape(50, -1)
+    return {"same_init": same_init, "copied": copied,
+            "lm_params": sum(1 for n, _ in model.named_parameters() if "visual" not in n),
+            "max_diff": float((ours - ref).abs().max()), "scale": float(ref.abs().max())}

@@ -29,7 +29,8 @@ head included, the embedding table excluded) plus causal attention over the full
 layers (6 x layers x heads x head_dim x seq per token); the Gated DeltaNet recurrence and
 the elementwise work are not counted.
 
-Variants (all on the same weights' shapes):
+Variants (all on the same weights' shapes; in the qwen35_moe pair, on the same weights:
+vlmrl's model loads the HF variant's seeded initialisation, `hf_qwen35_moe_model`):
 - hf_sdpa: `Qwen2ForCausalLM`-shaped HF text model (Qwen2.5-VL's language model),
   attn_implementation="sdpa", one padded-free batch row of `seq` tokens.
 - vlmrl_megatron: the bridge's Megatron model (fused QKV and gate/up GEMMs, flash varlen
@@ -500,14 +501,50 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
     return {**r, "params": params_of(model)}
 
 
-def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
+# the seed of the HF Qwen3.5-MoE weights, which vlmrl's model loads too (`hf_qwen35_moe_model`)
+HF_WEIGHTS_SEED = 1234
+
+
+def hf_qwen35_moe_model(mcfg: Any) -> Any:
+    """transformers' `Qwen3_5MoeForCausalLM` of the bench's shape with HF's own initialisation
+    from a fixed seed, on the device in bf16 (float32 on the CPU): the same weights at every
+    call. Both sides of the pair train these: the router's weights decide how many tokens
+    each expert gets, and so the shapes of the grouped GEMMs, which two independent random
+    initialisations would make differ (by up to 15% per grouped GEMM on 2026-12-02)."""
     from transformers import Qwen3_5MoeForCausalLM
 
     from ..models.bridge import hf_config
 
     text = hf_config(mcfg).text_config
     text._attn_implementation = "sdpa"
-    model = Qwen3_5MoeForCausalLM(text).to(device=DEVICE, dtype=torch.bfloat16 if CUDA else torch.float32).train()
+    torch.manual_seed(HF_WEIGHTS_SEED)
+    with torch.device(DEVICE):
+        model = Qwen3_5MoeForCausalLM(text)
+    return model.to(dtype=torch.bfloat16 if CUDA else torch.float32)
+
+
+def load_hf_language_model(model: torch.nn.Module, mcfg: Any, hf_lm: torch.nn.Module) -> int:
+    """Copy an HF text model's weights (`model.*` in-memory names, `lm_head.weight`) into the
+    language model of vlmrl's Megatron model on one rank, through the loading path's own
+    conversion (`hf_to_megatron`: checkpoint names, fused QKV, grouped GDN projections,
+    per-expert slices); the vision tower keeps its weights. Returns the tensors copied."""
+    from ..models.adapters import hf_to_megatron
+
+    lm = "model.language_model."
+    hf = {(lm + k[len("model."):] if k.startswith("model.") else k): v for k, v in hf_lm.state_dict().items()}
+    params = {n: p for n, p in model.named_parameters() if "visual" not in n}
+    experts = range(mcfg.lm.num_experts) if mcfg.lm.num_experts else None
+    values = hf_to_megatron(mcfg, hf, list(params), experts=experts)
+    with torch.no_grad():
+        for n, p in params.items():
+            if values[n].shape != p.shape:
+                raise ValueError(f"{n}: HF gives shape {tuple(values[n].shape)}, the model has {tuple(p.shape)}")
+            p.copy_(values[n])
+    return len(params)
+
+
+def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
+    model = hf_qwen35_moe_model(mcfg).train()
     x = ids.view(1, -1).to(DEVICE)
 
     def step() -> None:
@@ -546,6 +583,14 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
     chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend="sdpa",
                          fused_kernels=fused, gdn_backend=gdn_backend, cuda_graphs=cuda_graphs)
     model = chunks[0].train()
+    if mcfg.lm.num_experts:  # the HF variant's weights (`hf_qwen35_moe_model`)
+        hf_lm = hf_qwen35_moe_model(mcfg)
+        copied = load_hf_language_model(model, mcfg, hf_lm)
+        del hf_lm
+        if CUDA:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        print(f"vlmrl: {copied} language-model tensors loaded from the HF variant's weights", flush=True)
     per = ids.numel() // samples
     batch = [TrainSample(input_ids=ids[i * per:(i + 1) * per].tolist(),
                          loss_mask=[0.0] + [1.0] * (per - 1)) for i in range(samples)]
