@@ -119,7 +119,7 @@ def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     def torch_conv(x, w, offsets):
         return gd.causal_conv1d(x, w, bounds_of(offsets))
 
-    monkeypatch.setattr(gd, "fla_causal_conv1d", torch_conv)
+    monkeypatch.setattr(gd, "packed_causal_conv1d", torch_conv)
     monkeypatch.setattr(gd, "fla_gated_delta_rule", wrong_rule)
     monkeypatch.setattr(gd, "_CHECKED", {})
     with pytest.raises(gd.FastPathError, match="output differs"):

@@ -16,10 +16,12 @@ segment of its own), so nothing leaks from one sample into the next.
 Backends (`hardware.gdn_backend`):
 - "torch": chunked form of the recurrence in float32 (`chunk_gated_delta_rule`), the
   reference, runs everywhere (CPU ranks, CPU tests, the GPU fast-path check);
-- "fla": flash-linear-attention's `chunk_gated_delta_rule` and varlen `causal_conv1d`
-  (on Hopper, fla >= 0.6 dispatches to FlashQLA's TileLang kernels when installed). Before
-  the first use in a process, `check_fast_path` compares its forward and backward with the
-  torch path on a small packed input and refuses to train on a mismatch.
+- "fla": flash-linear-attention's `chunk_gated_delta_rule` (on Hopper, fla >= 0.6
+  dispatches to FlashQLA's TileLang kernels when installed) and the varlen short
+  convolution as vlmrl's Triton kernels (`vlmrl.models.short_conv`; fla's `causal_conv1d`
+  where those do not take the tensors). Before the first use in a process,
+  `check_fast_path` compares the forward and backward of both with the torch path on a
+  small packed input and refuses to train on a mismatch.
 
 The chunked form (chunk of C tokens, state S at the chunk start, gamma_i the cumulative
 log decay inside the chunk): the per-token corrections u_j = beta_j (v_j - S_j'^T k_j)
@@ -320,6 +322,17 @@ def fla_causal_conv1d(x: Tensor, weight: Tensor, offsets: PackedOffsets) -> Tens
     return out.squeeze(0)
 
 
+def packed_causal_conv1d(x: Tensor, weight: Tensor, offsets: PackedOffsets) -> Tensor:
+    """The fla backend's varlen short convolution + SiLU of packed x [T, C] (weight [C, K]):
+    vlmrl's Triton kernels (`vlmrl.models.short_conv`, one backward kernel where fla runs
+    two) where they take the tensors (CUDA, unit channel stride), else fla's."""
+    from . import short_conv
+
+    if short_conv.supported(x, weight):
+        return short_conv.short_conv(x, weight, offsets.cu, offsets.conv_chunks())
+    return fla_causal_conv1d(x, weight, offsets)
+
+
 def kernel_inputs(q: Tensor, k: Tensor, v: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
     """What fla's and FlashQLA's kernels read with `use_qk_l2norm_in_kernel=False`: q and k
     l2-normalised over the head dim (float32 statistics, back in their dtype, the kernels' own
@@ -431,7 +444,7 @@ def _check_layout(device: torch.device, dtype: torch.dtype, hk: int, hv: int, dk
     def run(fast: bool) -> tuple[Tensor, list[Tensor]]:
         leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
-        mixed = fla_causal_conv1d(xx, ww, packed) if fast else causal_conv1d(xx, ww, bounds)
+        mixed = packed_causal_conv1d(xx, ww, packed) if fast else causal_conv1d(xx, ww, bounds)
         qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)
         q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
         v = vv.reshape(total, hv, dv)

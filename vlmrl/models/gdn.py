@@ -175,7 +175,7 @@ class GatedDeltaNet(MegatronModule):
             offsets = p._cache.get("gdn_offsets")
             if offsets is None:
                 offsets = p._cache["gdn_offsets"] = gd.PackedOffsets(bounds, mixed.device)
-            mixed = gd.fla_causal_conv1d(mixed, conv_w, offsets)
+            mixed = gd.packed_causal_conv1d(mixed, conv_w, offsets)
         else:
             mixed = gd.causal_conv1d(mixed, conv_w, bounds)
         mixed = mixed.view(total, heads_k, self.group)
