@@ -4,10 +4,11 @@ The output layer is column-parallel: each tensor-parallel rank holds logits for 
 the vocabulary. Logprobs of the targets and the entropy need the softmax over the whole
 vocabulary; three all-reduces (max, sum of exp, the target logit and sum p*logit) give them
 without gathering the logits. With tp == 1 this is a plain log_softmax (`log_softmax_pick`);
-with `fused=True` (`hardware.fused_kernels`) it is `fused_log_softmax_pick`, whose forward
-and backward Inductor compiles separately: the forward keeps only the log-partition (and
-entropy) per token, and the backward is one elementwise pass given those, reading the bf16
-logits once and writing their gradient once. The contract is the rollout engines' one:
+with `fused=True` (`hardware.fused_kernels`) it is `fused_log_softmax_pick`: the forward
+keeps only the log-partition (and entropy) per token, and the backward is one elementwise
+pass given those, reading the bf16 logits once and writing their gradient once. On CUDA
+both are Triton kernels (`logprob_kernels`: the forward reads the logits once, where
+torch's logsumexp reads them twice); elsewhere Inductor compiles the same maths. The contract is the rollout engines' one:
 logprobs of log_softmax(logits / T).
 """
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..models.kernels import pick
+from . import logprob_kernels
 
 
 def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType) -> Tensor:
@@ -99,9 +101,14 @@ class _LogSoftmaxPick(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
                 compiled: bool) -> tuple[Tensor, Tensor | None]:
-        logp, lse, entropy = pick(logsumexp_pick, compiled)(logits, targets, temperature, with_entropy)
+        triton = compiled and logprob_kernels.supported(logits)
+        if triton:
+            lse, entropy = logprob_kernels.lse_and_entropy(logits, temperature, with_entropy)
+            logp = _tempered(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1), temperature) - lse
+        else:
+            logp, lse, entropy = pick(logsumexp_pick, compiled)(logits, targets, temperature, with_entropy)
         ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.compiled = temperature, compiled
+        ctx.temperature, ctx.compiled, ctx.triton = temperature, compiled, triton
         ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient pass
         return logp, entropy
 
@@ -110,8 +117,12 @@ class _LogSoftmaxPick(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         if g_logp is None and g_entropy is None:
             return None, None, None, None, None
-        grad = pick(logsumexp_pick_grad, ctx.compiled)(logits, targets, lse, entropy, g_logp, g_entropy,
-                                                      ctx.temperature)
+        if ctx.triton:
+            grad = logprob_kernels.logits_gradient(logits, targets, lse, entropy, g_logp, g_entropy,
+                                                   ctx.temperature)
+        else:
+            grad = pick(logsumexp_pick_grad, ctx.compiled)(logits, targets, lse, entropy, g_logp, g_entropy,
+                                                          ctx.temperature)
         return grad, None, None, None, None
 
 
