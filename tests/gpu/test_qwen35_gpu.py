@@ -56,6 +56,33 @@ def test_fast_path_check_covers_flash_qla_split_path():
     assert worst <= gd.FAST_PATH_TOL[torch.bfloat16]
 
 
+def test_flash_qla_chunk_metadata_is_flash_qlas_own():
+    """The chunk offsets and indices FlashQLA's kernels read, attached to the device offsets by
+    `PackedOffsets.flash_qla_context` from pinned memory, equal what FlashQLA's own
+    `prepare_varlen_metadata` attaches (its pageable copies), for a layout it keeps whole
+    and one whose long sample it splits (the split's offsets get theirs too). Host-side
+    only: no kernel compiles."""
+    pytest.importorskip("flash_qla")
+    from flash_qla.utils.index import prepare_varlen_metadata
+
+    from vlmrl.models import gated_delta as gd
+
+    split_seen = False
+    for lens in ((37, 130, 91, 700, 1090), (16384, 100)):
+        bounds = gd.segment_bounds([sum(lens[:i]) for i in range(len(lens))], sum(lens))
+        offsets = gd.PackedOffsets(bounds, torch.device("cuda"))
+        ctx = offsets.flash_qla_context(4, True)
+        split_seen |= ctx.is_intra
+        for cu in (offsets.cu, *((ctx.intra_cp_cu_seqlens,) if ctx.is_intra else ())):
+            ref = cu.clone()
+            prepare_varlen_metadata(ref, cu.cpu())
+            got, want = cu._flash_qla_prepared_varlen, ref._flash_qla_prepared_varlen
+            assert got[0] == want[0] and got[2] == want[2], (got, want)
+            for a, b in ((got[1], want[1]), (got[3], want[3])):
+                assert a.device == cu.device and a.dtype == b.dtype and torch.equal(a, b)
+    assert split_seen, "no layout took FlashQLA's intra-card split: the test missed that path"
+
+
 def test_gated_delta_offsets_from_the_host_match_fla_and_read_nothing_back():
     """`PackedOffsets` hands fla's convolution its chunk tiling and FlashQLA its split context,
     both built on the host. The results equal fla's own path (which derives them from the
@@ -86,7 +113,7 @@ def test_gated_delta_offsets_from_the_host_match_fla_and_read_nothing_back():
         x, w, a, b = (t.detach().clone().requires_grad_(True) for t in (x, w, a, b))
         total, cu = x.shape[0], (None if ours else offsets.cu_host.to(dev))
         if ours:
-            mixed = gd.fla_causal_conv1d(x, w, offsets)
+            mixed = gd.packed_causal_conv1d(x, w, offsets)
         else:
             mixed = fla_conv(x.unsqueeze(0), weight=w, bias=None, activation="silu", cu_seqlens=cu)[0][0]
         qk, vv = mixed.split([2 * hk * d, hv * d], dim=-1)

@@ -305,11 +305,25 @@ class PackedOffsets:
                      if isinstance(getattr(host, f.name), Tensor) and f.name != "cu_seqlens"}
             ctx = dataclasses.replace(host, cu_seqlens=self.cu, **moved)
             if getattr(self.cu, "_flash_qla_prepared_varlen", None) is None:
-                prepare_varlen_metadata(self.cu, self.cu_host)
+                _attach_varlen_metadata(prepare_varlen_metadata, self.cu, self.cu_host)
             if ctx.is_intra:
-                prepare_varlen_metadata(ctx.intra_cp_cu_seqlens, host.intra_cp_cu_seqlens)
+                _attach_varlen_metadata(prepare_varlen_metadata, ctx.intra_cp_cu_seqlens, host.intra_cp_cu_seqlens)
             self._qla[key] = ctx
         return self._qla[key]
+
+
+def _attach_varlen_metadata(prepare: Any, cu: Tensor, cu_host: Tensor) -> None:
+    """FlashQLA's `prepare_varlen_metadata(cu, cu_host)` (its chunk offsets and indices,
+    attached to the device offsets `cu` for its kernels), with the copies up made from pinned
+    memory without blocking. FlashQLA's own call copies them from pageable memory, in the
+    first Gated DeltaNet layer of every step; a pageable copy can hold the host until the GPU
+    has drained its queue (0.8-1.0 ms of idle GPU there in the H200 timelines of 2026-12-03).
+    Its tensors are computed by FlashQLA itself, on a host copy of the offsets, and then
+    moved; the GPU test holds the result to FlashQLA's own call."""
+    staged = cu_host.to(cu.dtype).clone()
+    prepare(staged, cu_host)
+    size, offsets, total, indices = staged._flash_qla_prepared_varlen
+    cu._flash_qla_prepared_varlen = (size, to_device(offsets, cu.device), total, to_device(indices, cu.device))
 
 
 def fla_causal_conv1d(x: Tensor, weight: Tensor, offsets: PackedOffsets) -> Tensor:
