@@ -48,6 +48,9 @@ def test_kernels_are_grouped_by_kind_from_their_names():
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
         "tilelang_fused_chunk_gdr_bwd_kernel_kernel": "Gated DeltaNet (fla / FlashQLA)",
         "causal_conv1d_bwd_kernel": "short convolution",
+        "short_conv_bwd": "short convolution",
+        "lse_partials": "softmax / log-softmax (loss)",
+        "logits_grad": "softmax / log-softmax (loss)",
         "void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel_generic": "short convolution",
         "triton_per_fused__to_copy_add_index_select_mul_sigmoid_sum_unsqueeze_view_10":
             "gather / scatter / sort (MoE dispatch and combine, embedding)",

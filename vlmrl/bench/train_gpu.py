@@ -207,9 +207,10 @@ def idle_gaps(kernels: list[tuple[float, float, str]], marker: str | None = None
 KERNEL_KINDS = (
     ("grouped GEMM", ("grouped", "enable_3x_kernel_for_sm9x")),  # torch's grouped mm (CUTLASS 3)
     ("GEMM", ("nvjet", "gemm")),
-    # the loss: a compiled log-softmax, or the hand-written pair (`fused_log_softmax_pick`):
-    # a logsumexp forward and an elementwise backward that builds the one-hot from an arange
-    ("softmax / log-softmax (loss)", ("softmax", "logsumexp", "arange_eq_exp")),
+    # the loss: a compiled log-softmax, the compiled pair of `fused_log_softmax_pick` (a
+    # logsumexp forward and an elementwise backward that builds the one-hot from an arange),
+    # or its Triton kernels on CUDA (`vlmrl.training.logprob_kernels`)
+    ("softmax / log-softmax (loss)", ("softmax", "logsumexp", "arange_eq_exp", "lse_partials", "logits_grad")),
     ("attention", ("flash", "sdpa", "fmha")),
     ("Gated DeltaNet (fla / FlashQLA)", ("tilelang", "gated_delta", "chunk_gdr", "fused_recurrent")),
     ("short convolution", ("conv",)),
