@@ -10,6 +10,7 @@ torch or megatron. Modules:
 - `attention`: packed (THD) core attention on torch SDPA / flash varlen, context parallel
 - `gdn`, `gated_delta`: the Gated DeltaNet mixer (TP heads, CP all-to-all) and its maths
   (packed convolution and chunked recurrence in torch; fla kernels on GPUs, checked first)
+- `short_conv`: the Gated DeltaNet's packed short convolution as Triton kernels (GPUs)
 - `moe`: routed experts in HF's fused shapes for Megatron's MoELayer (grouped GEMM on GPUs)
 - `grads`: gradient reductions beyond Megatron's (TP sums of head-shared weights)
 - `mrope`: M-RoPE cos/sin tables and rotation (pure)
