@@ -526,22 +526,14 @@ def hf_qwen35_moe_model(mcfg: Any) -> Any:
 
 def load_hf_language_model(model: torch.nn.Module, mcfg: Any, hf_lm: torch.nn.Module) -> int:
     """Copy an HF text model's weights (`model.*` in-memory names, `lm_head.weight`) into the
-    language model of vlmrl's Megatron model on one rank, through the loading path's own
-    conversion (`hf_to_megatron`: checkpoint names, fused QKV, grouped GDN projections,
+    language model of vlmrl's Megatron model on one rank, through the loading path
+    (`adapters.load_hf_weights`: checkpoint names, fused QKV, grouped GDN projections,
     per-expert slices); the vision tower keeps its weights. Returns the tensors copied."""
-    from ..models.adapters import hf_to_megatron
+    from ..models.adapters import load_hf_weights
 
     lm = "model.language_model."
     hf = {(lm + k[len("model."):] if k.startswith("model.") else k): v for k, v in hf_lm.state_dict().items()}
-    params = {n: p for n, p in model.named_parameters() if "visual" not in n}
-    experts = range(mcfg.lm.num_experts) if mcfg.lm.num_experts else None
-    values = hf_to_megatron(mcfg, hf, list(params), experts=experts)
-    with torch.no_grad():
-        for n, p in params.items():
-            if values[n].shape != p.shape:
-                raise ValueError(f"{n}: HF gives shape {tuple(values[n].shape)}, the model has {tuple(p.shape)}")
-            p.copy_(values[n])
-    return len(params)
+    return load_hf_weights([model], mcfg, hf, language_model_only=True)
 
 
 def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:

@@ -323,16 +323,20 @@ def _chunk_offset(chunk: Any) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: Sequence[Any], model: ModelConfig, source: str | Path | Mapping[str, Tensor]) -> None:
-    """Copy HF weights (a checkpoint directory or a state dict) into this rank's chunks.
+def load_hf_weights(chunks: Sequence[Any], model: ModelConfig, source: str | Path | Mapping[str, Tensor], *,
+                    language_model_only: bool = False) -> int:
+    """Copy HF weights (a checkpoint directory or a state dict) into this rank's chunks;
+    returns how many tensors were copied. `language_model_only`: the vision tower keeps its
+    weights (a text model's state dict, under the checkpoint's `model.language_model.` names).
 
     Every tensor keeps the dtype of the parameter it lands in (float32 `A_log` and GDN norm
     weights stay float32 when the rest trains in bf16)."""
     hf = SafetensorsDir(source, model.family) if isinstance(source, (str, Path)) else canonical(source, model)
     tp_rank, tp_size = _coords()
     experts = _local_experts(model)
+    copied = 0
     for chunk in chunks:
-        params = dict(chunk.named_parameters())
+        params = {n: p for n, p in chunk.named_parameters() if not (language_model_only and "visual" in n)}
         values = hf_to_megatron(model, hf, list(params), tp_rank=tp_rank, tp_size=tp_size,
                                 layer_offset=_chunk_offset(chunk), experts=experts)
         for n, p in params.items():
@@ -340,6 +344,8 @@ def load_hf_weights(chunks: Sequence[Any], model: ModelConfig, source: str | Pat
             if v.shape != p.shape:
                 raise ValueError(f"{n}: HF gives shape {tuple(v.shape)}, the model has {tuple(p.shape)}")
             p.copy_(v)
+        copied += len(params)
+    return copied
 
 
 def _grad_of(p: Tensor) -> Tensor:

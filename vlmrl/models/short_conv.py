@@ -118,8 +118,8 @@ if triton is not None:
                  mask=(o_t < eos)[:, None] & m_d[None, :])
 
 
-# channels per program and warps: chosen on an H200 (2026-12-03, `make bench` log) for
-# C = 8192, W = 4; any C works
+# channels per program and warps: the fastest of `python -m vlmrl.bench kernels-gpu` on an
+# H200 for 8,192 channels (bench/results/kernels-gpu-h200-20261203-0306.json); any C works
 BLOCK_D = 32
 WARPS = 4
 

@@ -8,8 +8,8 @@ with `fused=True` (`hardware.fused_kernels`) it is `fused_log_softmax_pick`: the
 keeps only the log-partition (and entropy) per token, and the backward is one elementwise
 pass given those, reading the bf16 logits once and writing their gradient once. On CUDA
 both are Triton kernels (`logprob_kernels`: the forward reads the logits once, where
-torch's logsumexp reads them twice); elsewhere Inductor compiles the same maths. The contract is the rollout engines' one:
-logprobs of log_softmax(logits / T).
+torch's logsumexp reads them twice); elsewhere Inductor compiles the same maths. The
+contract is the rollout engines' one: logprobs of log_softmax(logits / T).
 """
 
 from __future__ import annotations
