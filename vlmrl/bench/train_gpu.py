@@ -509,9 +509,9 @@ HF_WEIGHTS_SEED = 1234
 def hf_qwen35_moe_model(mcfg: Any) -> Any:
     """transformers' `Qwen3_5MoeForCausalLM` of the bench's shape with HF's own initialisation
     from a fixed seed, on the device in bf16 (float32 on the CPU): the same weights at every
-    call. Both sides of the pair train these: the router's weights decide how many tokens
-    each expert gets, and so the shapes of the grouped GEMMs, which two independent random
-    initialisations would make differ (by up to 15% per grouped GEMM on 2026-12-02)."""
+    call. Both sides of the pair train these, so neither gets a luckier routing (the
+    router's weights decide how many tokens each expert gets, and so the grouped GEMMs'
+    shapes) from its own random draw."""
     from transformers import Qwen3_5MoeForCausalLM
 
     from ..models.bridge import hf_config
