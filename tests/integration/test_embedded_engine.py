@@ -272,7 +272,7 @@ def test_ray_actor(family_checkpoint, monkeypatch, engine, images):
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # Ray's unix socket paths must stay under 108 bytes: pytest's tmp_path is too deep
-    ray_dir = tempfile.mkdtemp(prefix="vlmrl-ray-", dir="/tmp")
+    ray_dir = tempfile.mkdtemp(prefix="vlmrl-test-ray-", dir="/tmp")
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_dir, log_to_driver=False,
              configure_logging=False)
     try:
