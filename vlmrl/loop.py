@@ -12,6 +12,7 @@ work in the trainer ranks and the rollout engines.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -170,20 +171,28 @@ class Loop:
         self.engine_version: str | None = None  # the weight_version last synced to the engines
         self._trained_since_sync = False
         self.engine_restarts = 0
+        self.model_path: str | None = None
 
     # ------------------------------------------------------------ components
+    def _resolve_model(self) -> None:
+        """The checkpoint every process loads, checked against the config before any starts."""
+        from .models.bridge import check_checkpoint
+
+        self.model_path = model_path(self.cfg)
+        check_checkpoint(self.cfg.model, self.model_path)
+
     def _setup(self) -> None:
+        """The driver's own components: processor, prompt data, reward workers."""
         from .data.prompts import PromptDataset
         from .logging.progress import Progress
-        from .models.bridge import check_checkpoint
         from .models.processor import load_processor
         from .rewards import build_verifier
         from .rewards.pool import RewardPool
 
         cfg, d = self.cfg, self.cfg.data
         random.seed(cfg.seed)
-        self.model_path = model_path(cfg)
-        check_checkpoint(cfg.model, self.model_path)
+        if self.model_path is None:
+            self._resolve_model()
         self.processor = load_processor(self.model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
         self.train_data = PromptDataset(d, d.train_split, self.processor)
         self.test_data = PromptDataset(d, d.test_split, self.processor)
@@ -509,7 +518,7 @@ class Loop:
         quiet_libraries(library_log(self.run_dir))  # notices to the run dir's log, not the screen
         for note in config_notes(cfg):
             print(f"note: {note}")
-        self._setup()
+        self._resolve_model()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         total = cfg.num_steps + cfg.algo.sft_steps
         resume = self._resume_from()
@@ -520,13 +529,27 @@ class Loop:
             saved = read_loop_state(resume)
             resume_step = saved["sft_steps_done"] + saved["step"]
         key = f"eval/{dataset_name(cfg)}"
-        with ray_cluster(cfg, self.run_dir), self.pool, \
-                MetricsLogger(self.run_dir, cfg.logger, dataclasses.asdict(cfg), self.run_dir.name,
-                              resume_step=resume_step) as logger:
-            self.logger = logger
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ray_cluster(cfg, self.run_dir))
             self.placement = create_placement(cfg, compute_layout(cfg))
+
+            def start_trainer() -> None:  # returns once the ranks are requested
+                self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,
+                                            wait=False)
+
+            # The trainer ranks start up (processes, imports, Megatron, the model) while the
+            # engines launch and the driver loads its processor, data, reward workers and
+            # logger. Colocated engines take their share of the GPUs' memory first.
+            if not cfg.cluster.colocate:
+                start_trainer()
             self._start_engines()
-            self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement)
+            if cfg.cluster.colocate:
+                start_trainer()
+            self._setup()
+            stack.enter_context(self.pool)
+            self.logger = logger = stack.enter_context(MetricsLogger(
+                self.run_dir, cfg.logger, dataclasses.asdict(cfg), self.run_dir.name, resume_step=resume_step))
+            self.trainer.wait_ready()
             if resume is not None:
                 self._restore(resume)
                 self._sync_weights(f"resume-{resume_step}")

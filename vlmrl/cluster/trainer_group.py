@@ -250,7 +250,11 @@ def _free_port() -> int:
 class TrainerGroup:
     """The driver's handle on all trainer ranks."""
 
-    def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int, placement: Placement) -> None:
+    def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int, placement: Placement,
+                 wait: bool = True) -> None:
+        """Start the ranks. `wait=False` returns once the actors are requested: their start-up
+        (process, imports, Megatron, the model) runs while the caller does other work, and
+        `wait_ready` (which every other method needs first) waits for it."""
         import ray
 
         self.cfg = cfg
@@ -273,11 +277,24 @@ class TrainerGroup:
             first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, addr, port)
         self.workers = [first] + [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, port)
                                   for r in range(1, self.world_size)]
-        self.ranks = ray.get([w.init.remote(model_path, total_steps) for w in self.workers])
-        self.dp_size = self.ranks[0]["dp_size"]
+        self._pending: list[Any] | None = [w.init.remote(model_path, total_steps) for w in self.workers]
+        self.ranks: list[dict[str, int]] = []
+        self.dp_size = 0
         # every call is collective: callers on two threads (an async rollout restarting an
         # engine while the main thread trains) must reach all ranks in the same order
         self._lock = threading.RLock()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has built its model and optimizer (a rank's start-up error
+        is raised here); a no-op once they have."""
+        import ray
+
+        if self._pending is not None:
+            self.ranks = ray.get(self._pending)
+            self.dp_size = self.ranks[0]["dp_size"]
+            self._pending = None
 
     def _shards(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
         parts = split_by_tokens(samples, self.dp_size)
