@@ -80,11 +80,12 @@ def test_cuda_model_matches_hf(fused_kernels):
 
 def _cuda_sft_grad_norm(rank: int, world: int, cfg, path: str) -> tuple[float, float, int]:
     import torch
-    from test_trainer import _sft_grad_norm
+    from test_trainer import _sft_grad_norms
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False  # the vision tower's patch Conv3d
-    return _sft_grad_norm(rank, world, cfg, path)
+    res = _sft_grad_norms(rank, world, {"single": cfg}, path)
+    return res["single"][0], res["hf"], res["single"][1]
 
 
 def test_trainer_step_on_cuda_is_the_per_token_mean(tiny_config, tiny_checkpoint):

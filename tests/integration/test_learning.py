@@ -1,23 +1,90 @@
-"""The embedded default learns: a shorter version of `make train` (same model, task and
-optimizer; fewer GRPO steps) raises greedy eval accuracy during GRPO.
+"""The embedded default, end to end: a shorter version of `make train` (same model, task and
+optimizer; fewer GRPO steps) raises greedy eval accuracy during GRPO, and leaves what a run
+leaves (summary, metrics, plots, checkpoint, HF export, Ray state in the run dir).
 
 The run is deterministic on a given machine (seeded data, sampling and initialisation), so
-this is a check of the loop's learning, not a statistical test.
+the learning check is a check of the loop, not a statistical test. It is the suite's
+longest run (about 4.5 minutes on two cores), shared by every test here.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
+
+import pytest
+
+RL_STEPS = 60
 
 
-def test_grpo_raises_eval_accuracy_after_the_sft_warm_up(tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, cache_dir):
     from vlmrl.config import load
     from vlmrl.loop import train
 
-    cfg = load([f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}", "num_steps=60", "eval_interval=30",
-                "logger.wandb=false", "logger.progress=false"])
-    summary = train(cfg)
-    assert summary == json.loads((tmp_path / "summary.json").read_text())
-    assert summary["sft_steps"] == 60 and summary["rl_steps"] == 60
+    run_dir = tmp_path_factory.mktemp("default-run")
+    cfg = load([f"run_dir={run_dir}", f"model.cache_dir={cache_dir}", f"num_steps={RL_STEPS}", "eval_interval=30",
+                "logger.wandb=false", "logger.progress=false", "save_hf=true"])
+    return run_dir, cfg, train(cfg)
+
+
+def test_grpo_raises_eval_accuracy_after_the_sft_warm_up(default_run):
+    _, cfg, summary = default_run
+    assert summary["sft_steps"] == cfg.algo.sft_steps == 60 and summary["rl_steps"] == RL_STEPS
     assert summary["eval_accuracy_start"] > 0.3  # chance is 0.25: the warm-up started reading images
     assert summary["eval_accuracy_end"] >= summary["eval_accuracy_start"] + 0.1, summary
+
+
+def test_run_writes_summary_metrics_and_plots(default_run):
+    from vlmrl.logging.metrics import read_metrics
+
+    run_dir, _, summary = default_run
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved == summary
+    assert {"eval_accuracy_start", "eval_accuracy_end", "train_seconds"} <= set(saved)
+    rows = read_metrics(run_dir)
+    rl = [r for r in rows if "rl_step" in r]
+    assert [r["rl_step"] for r in rl] == list(range(1, RL_STEPS + 1))
+    for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/truncated_ratio", "train/loss",
+                "train/pg_clipfrac", "train/entropy", "perf/rollout_time", "perf/train_time",
+                "perf/update_weights_time", "perf/step_time", "perf/tokens_per_gpu_per_sec"):
+        assert all(key in r for r in rl), key
+    # evaluations: mid-SFT, after the warm-up, mid-GRPO and at the end
+    assert sum("eval/synthetic" in r for r in rows) == 4
+    assert (run_dir / "plots" / "eval_accuracy.png").exists()
+
+
+def test_engine_matches_trainer_after_each_sync(default_run):
+    """Every step's rollout comes from the weights synced after the step before (the SFT
+    warm-up's for the first): the trainer recomputes the engine's logprobs on the same tokens."""
+    from vlmrl.logging.metrics import read_metrics
+
+    run_dir, _, _ = default_run
+    rl = [r for r in read_metrics(run_dir) if "rl_step" in r]
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rl]
+    assert len(diffs) == RL_STEPS and all(d <= 1e-5 for d in diffs), max(diffs)
+    # synchronous: no sample from older weights, and one optimizer step per rollout is on-policy
+    assert all(r["rollout/stale_samples"] == 0 and r["train/ppo_kl"] == 0.0 for r in rl)
+
+
+def test_ray_state_stays_in_run_dir(default_run):
+    run_dir, _, _ = default_run
+    assert (run_dir / "ray").is_dir() and any((run_dir / "ray").iterdir())
+    # only the cluster's own links count: other runs (or tests) may leave directories there
+    links = [p for p in Path("/tmp").glob("vlmrl-ray-*") if p.is_symlink()]
+    assert not [p for p in links if os.readlink(p).startswith(str(run_dir))]
+
+
+def test_checkpoint_and_hf_export(default_run):
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.training.checkpoint import find_latest, read_loop_state
+
+    run_dir, _, _ = default_run
+    latest = find_latest(run_dir / "checkpoints")
+    assert latest is not None
+    state = read_loop_state(latest)
+    assert state["step"] == RL_STEPS and state["sft_steps_done"] == 60
+    model = AutoModelForImageTextToText.from_pretrained(run_dir / "hf")
+    assert sum(p.numel() for p in model.parameters()) > 5e6

@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = [
-    "num_steps=3", "save_interval=1", "algo.sft_steps=1", "eval_interval=0", "rollout.eval.max_prompts=4",
+    "num_steps=3", "save_interval=1", "algo.sft_steps=1", "algo.sft_batch_size=8", "eval_interval=0", "rollout.eval.max_prompts=4",
     "rollout.batch_size=4", "algo.n_samples_per_prompt=4", "trainer.global_batch_size=8",
     "rollout.max_new_tokens=12", "logger.wandb=false", "model=tiny_qwen3_5_moe",
     "data.synthetic.num_train=64", "data.synthetic.num_test=8",

@@ -37,15 +37,11 @@ def _sft_samples(cfg, path: str) -> list:
     return samples
 
 
-def _sft_grad_norm(rank: int, world: int, cfg, path: str, bucket: bool = False) -> tuple[float, float, int]:
-    """(trainer's gradient norm, HF's, layers on the fast path); `bucket` packs the
-    micro-batches padded to their CUDA-graph bucket (`hardware.cuda_graphs`' layout)."""
+def _hf_grad_norm(cfg, path: str, samples: list) -> float:
+    """Norm of the gradient of HF transformers' mean NLL over the samples' loss tokens."""
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.training.trainer import MegatronTrainer
-
-    samples = _sft_samples(cfg, path)
     hf = AutoModelForImageTextToText.from_pretrained(path).float()
     nll, tokens = 0.0, 0
     for s in samples:
@@ -57,9 +53,15 @@ def _sft_grad_norm(rank: int, world: int, cfg, path: str, bucket: bool = False) 
         nll = nll - (logp * mask).sum()
         tokens += int(mask.sum())
     (nll / tokens).backward()
-    hf_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in hf.parameters() if p.grad is not None)).item()
+    return torch.sqrt(sum(p.grad.double().pow(2).sum() for p in hf.parameters() if p.grad is not None)).item()
 
-    trainer = MegatronTrainer(cfg, path)
+
+def _trainer_grad_norm(cfg, path: str, samples: list, bucket: bool = False) -> tuple[float, int]:
+    """(the trainer's gradient norm of one SFT step, layers on the fast path); `bucket` packs
+    the micro-batches padded to their CUDA-graph bucket (`hardware.cuda_graphs`' layout)."""
+    from vlmrl.training.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(cfg, path)  # (re)creates Megatron's process groups for cfg.parallel
     if bucket:
         trainer.cuda_graphs = True  # the padding only: the CPU has no CUDA graphs
         real = sum(s.num_tokens for s in samples)
@@ -67,7 +69,17 @@ def _sft_grad_norm(rank: int, world: int, cfg, path: str, bucket: bool = False) 
     metrics = trainer.sft_step(samples)
     fast = sum(bool(getattr(layer, "fast_path", False))
                for c in trainer.chunks for layer in c.language_model.decoder.layers)
-    return metrics["grad_norm"], hf_norm, fast
+    return metrics["grad_norm"], fast
+
+
+def _sft_grad_norms(rank: int, world: int, cfgs: dict, path: str, bucket: bool = False) -> dict:
+    """HF's gradient norm ("hf") and the trainer's (norm, fast layers) under each of `cfgs`,
+    one after the other in the same ranks (one process start for all the layouts)."""
+    samples = _sft_samples(next(iter(cfgs.values())), path)
+    out = {"hf": _hf_grad_norm(next(iter(cfgs.values())), path, samples)}
+    for name, cfg in cfgs.items():
+        out[name] = _trainer_grad_norm(cfg, path, samples, bucket)
+    return out
 
 
 def test_step_gradient_is_the_per_token_mean(family_checkpoint):
@@ -75,45 +87,60 @@ def test_step_gradient_is_the_per_token_mean(family_checkpoint):
     nothing (its padding runs through Gated DeltaNet, gated attention and the MoE router)."""
     cfg, path = family_checkpoint
     bucket = "linear_attention" in cfg.model.lm.layer_types
-    megatron_norm, hf_norm, _ = spawn_local(_sft_grad_norm, 1, cfg, path, bucket)[0]
+    res = spawn_local(_sft_grad_norms, 1, {"single": cfg}, path, bucket)[0]
+    megatron_norm, hf_norm = res["single"][0], res["hf"]
     assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)
 
 
-@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "cp=2", "tp=2+sp"])
-def test_step_gradient_under_model_parallelism(tiny_config, tiny_checkpoint, layout):
+DENSE_LAYOUTS = {"tp=2": {"tp": 2}, "pp=2": {"pp": 2}, "cp=2": {"cp": 2}, "tp=2+sp": {"tp": 2, "sequence_parallel": True}}
+
+
+def _layout_results(base, layouts: dict, path: str, fused: tuple[str, ...] = ()) -> list[dict]:
+    cfgs = {name: dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **kw),
+                                      hardware=dataclasses.replace(base.hardware, fused_kernels=name in fused))
+            for name, kw in layouts.items()}
+    return spawn_local(_sft_grad_norms, 2, cfgs, path, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def dense_layouts(tiny_config, tiny_checkpoint):
+    return _layout_results(tiny_config, DENSE_LAYOUTS, tiny_checkpoint)
+
+
+@pytest.mark.parametrize("layout", list(DENSE_LAYOUTS))
+def test_step_gradient_under_model_parallelism(dense_layouts, layout):
     """The same step split over two ranks (TP, PP, CP, TP with sequence parallelism): the
     distributed gradient norm and the reduced metrics equal HF's single-model figures."""
-    overrides = {"tp=2": {"tp": 2}, "pp=2": {"pp": 2}, "cp=2": {"cp": 2},
-                 "tp=2+sp": {"tp": 2, "sequence_parallel": True}}[layout]
-    cfg = dataclasses.replace(tiny_config, parallel=dataclasses.replace(tiny_config.parallel, **overrides))
-    results = spawn_local(_sft_grad_norm, 2, cfg, tiny_checkpoint)
-    hf_norm = results[0][1]
-    for megatron_norm, _, _ in results:  # every rank reports the same global figures
+    hf_norm = dense_layouts[0]["hf"]
+    for rank in dense_layouts:  # every rank reports the same global figures
+        megatron_norm, _ = rank[layout]
         assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (layout, megatron_norm, hf_norm)
 
 
 # (TP2+SP and EP2 alone are in the parity tests; here the trainer's reductions on top).
 # PP2 runs with hardware.fused_kernels (the GPU configs' setting; Inductor's CPU backend here)
 # and full-layer recompute: every layer of both stages on FusedTransformerLayer's compiled path,
-# again in the recomputed forward.
-MOE_LAYOUTS = {"pp=2+fused+recompute": {"pp": 2, "recompute_granularity": "full"}, "cp=2": {"cp": 2},
-               "tp=2+sp+ep=2": {"tp": 2, "sequence_parallel": True, "ep": 2}}
+# again in the recomputed forward. It runs last: the eager layouts never see a compiled kernel.
+MOE_LAYOUTS = {"cp=2": {"cp": 2}, "tp=2+sp+ep=2": {"tp": 2, "sequence_parallel": True, "ep": 2},
+               "pp=2+fused+recompute": {"pp": 2, "recompute_granularity": "full"}}
+
+
+@pytest.fixture(scope="module")
+def moe_layouts(tiny_moe_config, tiny_moe_checkpoint):
+    return _layout_results(tiny_moe_config, MOE_LAYOUTS, tiny_moe_checkpoint, fused=("pp=2+fused+recompute",))
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_moe_step_gradient_under_model_parallelism(tiny_moe_config, tiny_moe_checkpoint, layout):
+def test_moe_step_gradient_under_model_parallelism(tiny_moe_config, moe_layouts, layout):
     """The tiny Qwen3.5-MoE through the real trainer (Megatron DDP, finalize_model_grads with
     the TP sums of the Gated DeltaNet norm, expert-parallel gradients) on two ranks: the
     gradient norm equals HF's for the same batch."""
+    hf_norm = moe_layouts[0]["hf"]
     fused = "fused" in layout
-    cfg = dataclasses.replace(tiny_moe_config,
-                              parallel=dataclasses.replace(tiny_moe_config.parallel, **MOE_LAYOUTS[layout]),
-                              hardware=dataclasses.replace(tiny_moe_config.hardware, fused_kernels=fused))
-    results = spawn_local(_sft_grad_norm, 2, cfg, tiny_moe_checkpoint, timeout_s=600)
-    hf_norm = results[0][1]
-    for megatron_norm, _, fast in results:
+    for rank in moe_layouts:
+        megatron_norm, fast = rank[layout]
         assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (layout, megatron_norm, hf_norm)
-        assert fast == (cfg.model.lm.num_layers // 2 if fused else 0)
+        assert fast == (tiny_moe_config.model.lm.num_layers // 2 if fused else 0)
 
 
 def _tp_checkpoint(rank: int, world: int, cfg, path: str, ckpt: str, save: bool) -> dict | None:
