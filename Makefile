@@ -27,13 +27,22 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install vlmrl with its dev tools (seconds when already done)
 
-train: setup ## run the embedded default end to end (tiny model, procedural task, CPU); ARGS='key=value ...'
+# Bytecode of the project's own files, written here because Python does not write it where
+# PYTHONDONTWRITEBYTECODE is set (pip compiles the installed packages; an editable install's
+# sources it leaves alone): without it every process a run or the suite starts (trainer
+# ranks, engines, reward workers, spawned test ranks) compiles vlmrl again, about 1 s each.
+# Only files changed since the last compile are compiled again.
+.PHONY: bytecode
+bytecode: setup
+	@PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q vlmrl tests >/dev/null
+
+train: bytecode ## run the embedded default end to end (tiny model, procedural task, CPU); ARGS='key=value ...'
 	$(PY) -m vlmrl.train $(ARGS)
 
-test: setup ## the CPU test suite (GPU tests skip without CUDA, slow ones are left out)
+test: bytecode ## the CPU test suite (GPU tests skip without CUDA, slow ones are left out)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: setup ## every test, slow ones included
+test-all: bytecode ## every test, slow ones included
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup ## ruff
