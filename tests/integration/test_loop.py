@@ -33,7 +33,9 @@ def _config(tmp: Path, cache_dir: str, extra: list[str]) -> object:
     return load([f"run_dir={tmp}", f"model.cache_dir={cache_dir}", *SHORT, *extra])
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_qwen3_5_moe"])
+# Qwen2.5-VL's case is slow (the suite's time budget): the default run checks its engine
+# against the trainer after every sync and loads its HF export (test_learning.py)
+@pytest.mark.parametrize("model", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_qwen3_5_moe"])
 def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, model):
     """After SFT steps change the weights and a sync, the engine's logprobs of what it
     generates equal the trainer's on the same tokens (fp32 CPU, <= 1e-5); the HF export
@@ -164,9 +166,9 @@ def test_placement_bundles_follow_the_layout():
     assert spec == [{"CPU": 0.5}] * 3 and trainer == [0, 1] and engines == [2]
 
 
-# TP2 and CP2 are slow (`make test-all`): the default suite runs the loop under TP2 + SP and
-# CP2 in the reference recipe's runs below, and both layouts' numerics against HF in the
-# parity tests; PP2's loop run has no other default-suite test and stays
+# TP2 and CP2 are slow (`make test-all`): the default suite runs the loop under TP2 + SP in
+# the reference recipe's run below, and both layouts' numerics against HF in the parity
+# tests; PP2's loop run has no other default-suite test and stays
 @pytest.mark.parametrize("layout", [pytest.param(["parallel.tp=2"], marks=pytest.mark.slow), ["parallel.pp=2"],
                                     pytest.param(["parallel.cp=2"], marks=pytest.mark.slow)],
                          ids=["tp2", "pp2", "cp2"])
@@ -213,10 +215,13 @@ RECIPE_ON_CPU = ["experiment=geo3k_qwen35", "model=tiny_qwen3_5_moe", "hardware=
                  "save_hf=false", "eval_interval=2", "rollout.eval.max_prompts=4"]
 
 
-# TP4 runs four trainer ranks on CI's two cores (about 90 s, the suite's second-longest test):
-# slow, so `make test-all` runs it; the default suite keeps TP4's numerics and bitwise weight
-# round trip (test_qwen35_parity.py::test_tp_wider_than_the_kv_groups) and the recipe's own TP2
-@pytest.mark.parametrize("layout", [[], ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.cp=2"],
+# TP4 runs four trainer ranks on CI's two cores (about 90 s): slow, so `make test-all` runs
+# it; the default suite keeps TP4's numerics and bitwise weight round trip
+# (test_qwen35_parity.py::test_tp_wider_than_the_kv_groups) and the recipe's own TP2. CP2 is
+# slow too (the suite's time budget): its numerics against HF and its trainer step (both
+# families) stay in the default suite, in the parity and trainer tests.
+@pytest.mark.parametrize("layout", [[], pytest.param(["parallel.tp=1", "parallel.sequence_parallel=false",
+                                                      "parallel.cp=2"], marks=pytest.mark.slow),
                                     pytest.param(["parallel.tp=4", "cluster.num_cpu_ranks=4"],
                                                  marks=pytest.mark.slow)],
                          ids=["tp2+sp+ep2", "cp2+ep2", "tp4+sp+ep2"])

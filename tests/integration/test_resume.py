@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = [
-    "num_steps=3", "save_interval=1", "algo.sft_steps=1", "algo.sft_batch_size=8", "eval_interval=0", "rollout.eval.max_prompts=4",
+    "num_steps=2", "save_interval=1", "algo.sft_steps=1", "algo.sft_batch_size=8", "eval_interval=0", "rollout.eval.max_prompts=4",
     "rollout.batch_size=4", "algo.n_samples_per_prompt=4", "trainer.global_batch_size=8",
     "rollout.max_new_tokens=12", "logger.wandb=false", "model=tiny_qwen3_5_moe",
     "data.synthetic.num_train=64", "data.synthetic.num_test=8",
@@ -43,10 +43,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache_dir, tiny_moe
     res = subprocess.run(command(straight), cwd=tmp_path, env=env(cache_dir), capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    expected = rl_rows(straight)[3]
+    expected = rl_rows(straight)[2]
     # the console: progress lines, no library notices (those are in the run dir's log)
     console = res.stdout + res.stderr
-    assert "sft 1/1 | loss" in res.stdout and "step 3 | reward" in res.stdout, res.stdout[-2000:]
+    assert "sft 1/1 | loss" in res.stdout and "step 2 | reward" in res.stdout, res.stdout[-2000:]
     for notice in ("Transformer Engine and Apex are not installed", "Started a local Ray instance",
                    "falling back to its reference PyTorch implementation", "Loading weights"):
         assert notice not in console, notice
@@ -58,24 +58,24 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache_dir, tiny_moe
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        # checkpoint names count SFT + RL steps: after RL step 2 it is step_000003
-        while not (latest.exists() and latest.read_text().strip() == "step_000003"):
+        # checkpoint names count SFT + RL steps: after RL step 1 it is step_000002
+        while not (latest.exists() and latest.read_text().strip() == "step_000002"):
             assert proc.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint of RL step 2 appeared"
+            assert time.monotonic() < deadline, "no checkpoint of RL step 1 appeared"
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)  # the run and everything it started
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert 3 not in rl_rows(killed), "killed too late: step 3 had already finished"
+    assert 2 not in rl_rows(killed), "killed too late: step 2 had already finished"
 
     res = subprocess.run(command(killed), cwd=tmp_path, env=env(cache_dir), capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout and "RL step 2" in res.stdout
+    assert "resumed from" in res.stdout and "RL step 1" in res.stdout
     resumed = rl_rows(killed)
-    assert sorted(resumed) == [1, 2, 3]  # no duplicate or lost steps in metrics.jsonl
+    assert sorted(resumed) == [1, 2]  # no duplicate or lost steps in metrics.jsonl
     for key in COMPARED:
-        assert abs(resumed[3][key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (
-            key, resumed[3][key], expected[key])
+        assert abs(resumed[2][key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (
+            key, resumed[2][key], expected[key])
