@@ -532,19 +532,15 @@ class Loop:
         with contextlib.ExitStack() as stack:
             stack.enter_context(ray_cluster(cfg, self.run_dir))
             self.placement = create_placement(cfg, compute_layout(cfg))
-
-            def start_trainer() -> None:  # returns once the ranks are requested
-                self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,
-                                            wait=False)
-
             # The trainer ranks start up (processes, imports, Megatron, the model) while the
             # engines launch and the driver loads its processor, data, reward workers and
             # logger. Colocated engines take their share of the GPUs' memory first.
-            if not cfg.cluster.colocate:
-                start_trainer()
-            self._start_engines()
             if cfg.cluster.colocate:
-                start_trainer()
+                self._start_engines()
+            self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,
+                                        wait=False)  # returns once the ranks are requested
+            if not cfg.cluster.colocate:
+                self._start_engines()
             self._setup()
             stack.enter_context(self.pool)
             self.logger = logger = stack.enter_context(MetricsLogger(

@@ -75,8 +75,9 @@ def _trainer_grad_norm(cfg, path: str, samples: list, bucket: bool = False) -> t
 def _sft_grad_norms(rank: int, world: int, cfgs: dict, path: str, bucket: bool = False) -> dict:
     """HF's gradient norm ("hf") and the trainer's (norm, fast layers) under each of `cfgs`,
     one after the other in the same ranks (one process start for all the layouts)."""
-    samples = _sft_samples(next(iter(cfgs.values())), path)
-    out = {"hf": _hf_grad_norm(next(iter(cfgs.values())), path, samples)}
+    first = next(iter(cfgs.values()))  # the layouts differ in parallelism only: same samples, same HF model
+    samples = _sft_samples(first, path)
+    out = {"hf": _hf_grad_norm(first, path, samples)}
     for name, cfg in cfgs.items():
         out[name] = _trainer_grad_norm(cfg, path, samples, bucket)
     return out
