@@ -1,8 +1,9 @@
-"""The train-gpu bench's idle accounting (`idle_gaps`), on activity intervals built here."""
+"""The train-gpu bench's idle accounting (`idle_gaps`), on activity intervals built here, and
+its variant names."""
 
 import pytest
 
-from vlmrl.bench.train_gpu import MARKER_KERNEL, idle_gaps
+from vlmrl.bench.train_gpu import MARKER_KERNEL, idle_gaps, vlmrl_variant_options
 
 
 def test_idle_gaps_counts_overlap_once_and_splits_at_the_marker():
@@ -107,3 +108,13 @@ def test_ratios_to_the_row_before_and_to_the_first_hf_row():
     got = [(r["vs_hf"], r["vs_hf_back_to_back"], r["vs_first_hf"], r["vs_first_hf_back_to_back"]) for r in rows]
     assert got == [(None, None, None, None), (1.0, 1.0, 1.0, 1.0), (1.8, 1.9, 1.8, 1.9),
                    (1.0, 1.0, 0.8, 0.9), (2.2, 2.2, 1.76, 1.98)]
+
+
+@pytest.mark.parametrize("variant,graphs,attention", [
+    ("vlmrl_megatron_fused", False, "sdpa"),
+    ("vlmrl_megatron_fused_graphs", True, "sdpa"),
+    ("vlmrl_megatron_fused_graphs_flash4", True, "flash4"),
+    ("vlmrl_qwen35_moe_flash4", False, "flash4"),
+])
+def test_vlmrl_variant_names_pick_graphs_and_attention(variant, graphs, attention):
+    assert vlmrl_variant_options(variant) == {"cuda_graphs": graphs, "attention": attention}

@@ -135,6 +135,7 @@ INVALID = [
     (["model=tiny_qwen3_5_moe", "model.family=qwen3_5"], "model-family", "qwen3_5_moe"),
     (["hardware.gdn_backend=fla"], "hardware-gdn", "gdn_backend=torch"),
     (["hardware.cuda_graphs=true"], "hardware-cuda-graphs", "hardware.cuda_graphs=false on CPU"),
+    (["hardware.lm_attention_backend=flash4"], "hardware-attention", "lm_attention_backend=sdpa on CPU"),
     ([*REFERENCE, "parallel.pp=3"], "pp-layers", "num_layers=40"),
     (["hardware=h200"], "hardware-devices", "num_gpus >= 1"),
     (["cluster.num_gpus=2"], "hardware-devices", "must be 0"),

@@ -47,6 +47,10 @@ vlmrl's model loads the HF variant's seeded initialisation, `hf_qwen35_moe_model
   micro-batch padded to its `graph_bucket` (4096 tokens are a bucket already),
   `begin_graph_step` before each forward). These are what the GPU hardware configs train,
   and what `make bench` pairs with HF.
+- a `_flash4` suffix after that (`vlmrl_megatron_fused_graphs_flash4`,
+  `vlmrl_qwen35_moe_graphs_flash4`): the language model's attention through
+  `hardware.lm_attention_backend=flash4` (FlashAttention 4's varlen kernels, one call per
+  layer) instead of torch SDPA's per-sample cuDNN calls.
 """
 
 from __future__ import annotations
@@ -556,8 +560,15 @@ def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -
     return {**r, "params": params_of(model)}
 
 
+def vlmrl_variant_options(variant: str) -> dict[str, Any]:
+    """`cuda_graphs` and `attention` of a vlmrl variant's name (`_graphs`, `_flash4`)."""
+    base = variant.removesuffix("_flash4")
+    return {"cuda_graphs": base.endswith("_graphs"), "attention": "flash4" if base != variant else "sdpa"}
+
+
 def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: int,
-                fused: bool, gdn_backend: str = "torch", cuda_graphs: bool = False) -> dict[str, Any]:
+                fused: bool, gdn_backend: str = "torch", cuda_graphs: bool = False,
+                attention: str = "sdpa") -> dict[str, Any]:
     from ..config.schema import ParallelConfig
     from ..models.bridge import build_model
     from ..models.kernels import begin_graph_step
@@ -573,7 +584,7 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
 
         worst = check_model_fast_path(mcfg.lm, torch.device(DEVICE), dtype)  # as the trainer checks (one rank)
         print(f"fla Gated DeltaNet check vs torch: worst relative difference {worst:.2e}", flush=True)
-    chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend="sdpa",
+    chunks = build_model(mcfg, parallel, params_dtype=dtype, attention_backend=attention,
                          fused_kernels=fused, gdn_backend=gdn_backend, cuda_graphs=cuda_graphs)
     model = chunks[0].train()
     if mcfg.lm.num_experts:  # the HF variant's weights (`hf_qwen35_moe_model`)
@@ -602,7 +613,7 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
         model.zero_grad(set_to_none=True)
 
     r = timed(step, iters, warmup)
-    label = f"vlmrl (fused={fused}, cuda_graphs={cuda_graphs})"
+    label = f"vlmrl (fused={fused}, cuda_graphs={cuda_graphs}{', flash4' if attention == 'flash4' else ''})"
     if cuda_graphs and CUDA:
         from ..models.kernels import cuda_graph_stats
 
@@ -689,10 +700,10 @@ def main(argv: list[str] | None = None) -> int:
             r = bench_hf_qwen35_moe(mcfg, ids, args.iters, args.warmup)
         elif variant.startswith("vlmrl_qwen35_moe"):
             r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused=CUDA,
-                            gdn_backend=args.gdn_backend, cuda_graphs=variant.endswith("_graphs"))
+                            gdn_backend=args.gdn_backend, **vlmrl_variant_options(variant))
         else:
             r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused="fused" in variant,
-                            cuda_graphs=variant.endswith("_graphs"))
+                            **vlmrl_variant_options(variant))
         med = statistics.median(r["times"])
         if args.shape == "qwen35_moe":
             fpt = flops_per_token_of(mcfg, args.seq)

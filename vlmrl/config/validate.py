@@ -31,7 +31,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "hardware.device": ("cpu", "cuda"),
     "hardware.dist_backend": ("gloo", "nccl"),
     "hardware.train_dtype": ("float32", "bfloat16"),
-    "hardware.lm_attention_backend": ("sdpa", "local"),
+    "hardware.lm_attention_backend": ("sdpa", "flash4", "local"),
     "hardware.gdn_backend": ("torch", "fla"),
     "hardware.vision_attn_implementation": VISION_ATTN_IMPLEMENTATIONS,
     "data.source": ("synthetic", "hf"),
@@ -166,6 +166,9 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if not on_gpu and hw.gdn_backend == "fla":
         fail("hardware-gdn", "hardware.gdn_backend=fla runs flash-linear-attention's GPU kernels: "
              "use hardware.gdn_backend=torch on CPU")
+    if not on_gpu and hw.lm_attention_backend == "flash4":
+        fail("hardware-attention", "hardware.lm_attention_backend=flash4 runs FlashAttention 4's GPU kernels "
+             "(Hopper / Blackwell): use hardware.lm_attention_backend=sdpa on CPU")
     if hw.cuda_graphs and not (on_gpu and hw.fused_kernels):
         fail("hardware-cuda-graphs", "hardware.cuda_graphs replays the compiled layers (hardware.fused_kernels=true) "
              "on a GPU: set hardware.cuda_graphs=false" + ("" if on_gpu else " on CPU"))

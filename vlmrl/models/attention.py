@@ -14,6 +14,10 @@ this module takes the THD tensors Megatron hands it ([t, heads, head_dim] when
   `VARLEN_MIN_SAMPLES` samples, else one causal `scaled_dot_product_attention` call per
   sample (exact in fp32 on CPU; on CUDA padded to a multiple of `CUDNN_LEN_MULTIPLE`
   tokens, so cuDNN meets a bounded set of lengths).
+- backend "flash4" (`hardware.lm_attention_backend=flash4`): FlashAttention 4's varlen kernels
+  (the `flash-attn-4` package, `flash_attn.cute`; Hopper and Blackwell), one call for all
+  samples with the KV groups read natively (no repeated K / V, no per-sample padding), on
+  CUDA in half precision without CP or attention dropout; elsewhere the "sdpa" path.
 - backend "eager": explicit masked softmax, for debugging.
 - context parallelism: the rank's two zigzag chunks of each sample attend to the keys and
   values of the whole sample, all-gathered over the CP group (backward: reduce), with
@@ -40,7 +44,18 @@ from torch import Tensor
 from .kernels import pick
 from .mrope import rope_qk
 
-BACKENDS = ("sdpa", "eager")
+BACKENDS = ("sdpa", "flash4", "eager")
+FLASH4_PACKAGE = "flash-attn-4"  # pip name of FlashAttention 4 (module flash_attn.cute)
+
+
+def flash4_varlen() -> Any:
+    """FlashAttention 4's `flash_attn_varlen_func`, or an ImportError that says what to install."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except ImportError as e:
+        raise ImportError(f"hardware.lm_attention_backend=flash4 needs FlashAttention 4 (pip install "
+                          f"{FLASH4_PACKAGE}, module flash_attn.cute), which did not import: {e}") from e
+    return flash_attn_varlen_func
 
 
 @dataclass
@@ -129,6 +144,7 @@ class PackedSelfAttentionCore(MegatronModule):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
         self.backend = backend
+        self._flash4 = flash4_varlen() if backend == "flash4" else None
         self._rope_qk = pick(rope_qk, fused)
         self.layer_number = layer_number
         self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -174,7 +190,7 @@ class PackedSelfAttentionCore(MegatronModule):
         keys come after every real query, so the causal mask hides them; padded query rows
         are dropped, and their zero output gradient gives the padding no gradient."""
         n = q.shape[0]
-        padded = cudnn_padded_len(n) if q.is_cuda and self.causal and self.backend == "sdpa" else n
+        padded = cudnn_padded_len(n) if q.is_cuda and self.causal and self.backend != "eager" else n
         if padded == n:
             return self._sdpa(q, k, v, None, self.causal)
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padded - n)) for x in (q, k, v))
@@ -182,10 +198,12 @@ class PackedSelfAttentionCore(MegatronModule):
 
     def _varlen(self, q: Tensor, k: Tensor, v: Tensor, params: VLPackedSeqParams) -> Tensor | None:
         """Flash varlen attention (CUDA, half precision, no CP); None when unavailable."""
-        if self.backend != "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        if self.backend == "eager" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
             return None
         if self.dropout_p and self.training:
             return None
+        if self._flash4 is not None:
+            return self._flash4_varlen(q, k, v, params)
         try:
             from torch.nn.attention.varlen import varlen_attn
         except ImportError:
@@ -204,6 +222,21 @@ class PackedSelfAttentionCore(MegatronModule):
                 k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale,
                            window_size=(-1, 0) if self.causal else (-1, -1), **kwargs)
+
+    def _flash4_varlen(self, q: Tensor, k: Tensor, v: Tensor, params: VLPackedSeqParams) -> Tensor:
+        """FlashAttention 4 over every sample of q [T, h, d], k/v [T, g, d] in one call: the
+        sample offsets as int32 on the device and the longest sample from the host layout,
+        made once per forward and shared by the layers; the KV groups as they are."""
+        if "flash4" not in params._cache:
+            lay = params.layout()
+            if lay["whole_offsets"][-1] != q.shape[0]:
+                raise ValueError(f"the packed layout covers {lay['whole_offsets'][-1]} tokens, "
+                                 f"the attention inputs {q.shape[0]}")
+            params._cache["flash4"] = (params.offsets.to(device=q.device, dtype=torch.int32), max(lay["lens"]))
+        cu, max_len = params._cache["flash4"]
+        out = self._flash4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                           max_seqlen_k=max_len, softmax_scale=self.softmax_scale, causal=self.causal)
+        return out[0] if isinstance(out, tuple) else out
 
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
