@@ -167,3 +167,9 @@ def test_flash4_attention_matches_the_sdpa_path(heads, groups, head_dim):
         assert got.shape == want.shape, name
         err = (got.float() - want.float()).abs().max().item()
         assert err <= 2e-2 * max(1.0, want.float().abs().max().item()), (name, err)
+    # the trainer's startup check at these heads: FlashAttention 4 against the float32 softmax
+    from vlmrl.models.attention import ATTENTION_CHECK_TOL, check_attention_backend
+
+    worst = check_attention_backend("flash4", heads=heads, groups=groups, head_dim=head_dim,
+                                    device=torch.device("cuda"), dtype=torch.bfloat16)
+    assert worst <= ATTENTION_CHECK_TOL[torch.bfloat16]

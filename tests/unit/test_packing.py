@@ -224,24 +224,3 @@ def test_split_samples_rejects_overlap_and_overrun():
     with pytest.raises(ValueError, match="past the 10 tokens"):
         split_samples(x, [0, 6], [6, 5])
 
-
-def test_flash4_backend_without_its_package_says_what_to_install():
-    """`hardware.lm_attention_backend=flash4` builds its attention with FlashAttention 4
-    (`flash_attn.cute`, GPU-only); where that does not import, building the layer fails
-    naming the setting and the package, instead of falling back silently."""
-    try:
-        import flash_attn.cute  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("FlashAttention 4 is installed here")
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from vlmrl.models.attention import PackedSelfAttentionCore
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            kv_channels=16, attention_dropout=0.0)
-    with pytest.raises(ImportError, match="lm_attention_backend=flash4.*flash-attn-4"):
-        PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend="flash4")
-    PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend="sdpa")

@@ -377,3 +377,60 @@ class GroupedSelfAttention(SelfAttention):
             size = gate.shape[2] // ranks_per_group
             gate = gate[:, :, idx * size:(idx + 1) * size]
         return query, key, value, gate
+
+
+class AttentionBackendError(RuntimeError):
+    """A fast attention backend disagrees with the explicit-softmax reference."""
+
+
+# tolerance of the startup check, relative to the largest reference magnitude: one flash
+# kernel rounds P and the output to `dtype` once (bf16: 8 significant bits)
+ATTENTION_CHECK_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+ATTENTION_CHECK_LENS = (37, 300, 700)
+_ATTENTION_CHECKED: dict[tuple, float] = {}
+
+
+def check_attention_backend(backend: str, *, heads: int, groups: int, head_dim: int, device: torch.device,
+                            dtype: torch.dtype, lens: tuple[int, ...] = ATTENTION_CHECK_LENS,
+                            seed: int = 0) -> float:
+    """Run `backend`'s packed causal attention at these head sizes in `dtype`, forward and
+    backward, on a few packed samples, against the explicit masked softmax ("eager") in
+    float32 on the same values; raise AttentionBackendError naming what disagrees, else return
+    the worst relative difference (to the largest reference magnitude). Once per process and
+    shape (cached): the trainer runs it before the first step, so a kernel build that is wrong
+    for this GPU or head size stops the run instead of training on it."""
+    key = (backend, heads, groups, head_dim, str(device), dtype, tuple(lens))
+    if key in _ATTENTION_CHECKED:
+        return _ATTENTION_CHECKED[key]
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                            num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0)
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    total = offsets[-1]
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(total, h, head_dim, generator=gen).to(dtype) for h in (heads, groups, groups)]
+    grad_out = torch.randn(total, heads * head_dim, generator=gen).to(dtype)
+
+    def run(name: str, run_dtype: torch.dtype) -> list[Tensor]:
+        core = PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend=name)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        params = VLPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, host_offsets=offsets)
+        q, k, v = (x.to(device, run_dtype).requires_grad_(True) for x in values)
+        out = core.attend(q, k, v, params)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out.to(device, run_dtype))
+        return [t.detach().float() for t in (out, *grads)]
+
+    want, got = run("eager", torch.float32), run(backend, dtype)
+    tol = ATTENTION_CHECK_TOL.get(dtype, 2e-2)
+    worst = 0.0
+    for name, g, w in zip(("output", "grad of q", "grad of k", "grad of v"), got, want):
+        rel = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
+        worst = max(worst, rel)
+        if not rel <= tol:  # catches NaN too
+            raise AttentionBackendError(
+                f"attention backend {backend!r} disagrees with the explicit softmax: {name} differs by "
+                f"{rel:.3g} relative (tolerance {tol:g}; {heads} heads, {groups} KV groups of {head_dim}, "
+                f"{dtype}, {device}); refusing to train on it. Set hardware.lm_attention_backend=sdpa")
+    _ATTENTION_CHECKED[key] = worst
+    return worst

@@ -106,6 +106,7 @@ class MegatronTrainer:
                         moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff, megatron_overrides=overrides)
         chunks = build(cuda_graphs=self.cuda_graphs)
         self._check_gdn_fast_path()
+        self._check_attention_backend()
         adapters.load_hf_weights(chunks, cfg.model, model_path)
         self.ref_chunks = None
         if cfg.algo.kl_coef > 0:
@@ -145,6 +146,20 @@ class MegatronTrainer:
 
         # this rank's heads: TP shards them, CP splits them further
         check_model_fast_path(lm, compat.device(), self.dtype, split=self.info.tp_size * self.info.cp_size)
+
+    def _check_attention_backend(self) -> None:
+        """With hardware.lm_attention_backend=flash4: compare its kernels (forward and backward,
+        packed) with the explicit softmax at this rank's attention heads before the first step,
+        and refuse to train on a mismatch (vlmrl.models.attention.check_attention_backend)."""
+        lm = self.model_cfg.lm
+        if self.cfg.hardware.lm_attention_backend != "flash4":
+            return
+        from ..models import compat
+        from ..models.attention import check_attention_backend
+
+        tp = self.info.tp_size  # TP shards the heads; KV groups narrower than TP are replicated
+        check_attention_backend("flash4", heads=lm.num_attention_heads // tp, groups=max(lm.num_query_groups // tp, 1),
+                                head_dim=lm.head_dim, device=compat.device(), dtype=self.dtype)
 
     @property
     def chunks(self) -> list[Any]:

@@ -1,0 +1,57 @@
+"""The language model's attention backends: FlashAttention 4's setting without its package,
+and the startup check that holds a fast backend to the explicit masked softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_flash4_backend_without_its_package_says_what_to_install():
+    """`hardware.lm_attention_backend=flash4` builds its attention with FlashAttention 4
+    (`flash_attn.cute`, GPU-only); where that does not import, building the layer fails
+    naming the setting and the package, instead of falling back silently."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("FlashAttention 4 is installed here")
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vlmrl.models.attention import PackedSelfAttentionCore
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=16, attention_dropout=0.0)
+    with pytest.raises(ImportError, match="lm_attention_backend=flash4.*flash-attn-4"):
+        PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend="flash4")
+    PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend="sdpa")
+
+
+def test_attention_check_passes_sdpa_and_is_cached():
+    """The check runs the backend's packed causal attention forward and backward against the
+    explicit softmax in float32: torch SDPA agrees to float32 rounding, and in bf16 to
+    within its bound; the second call at the same shape returns the cached result."""
+    from vlmrl.models import attention
+
+    cpu = torch.device("cpu")
+    worst = attention.check_attention_backend("sdpa", heads=4, groups=2, head_dim=16, device=cpu, dtype=torch.float32)
+    assert 0.0 < worst < 1e-5
+    bf16 = attention.check_attention_backend("sdpa", heads=4, groups=2, head_dim=16, device=cpu, dtype=torch.bfloat16)
+    assert 1e-4 < bf16 <= attention.ATTENTION_CHECK_TOL[torch.bfloat16]
+    key = ("sdpa", 4, 2, 16, "cpu", torch.bfloat16, attention.ATTENTION_CHECK_LENS)
+    assert attention._ATTENTION_CHECKED[key] == bf16
+
+
+def test_attention_check_refuses_a_backend_outside_its_bound(monkeypatch):
+    """Held to a bound tighter than bf16 rounding, the same bf16 run fails, and the error names
+    the backend, what differs, the shape and the setting to fall back to."""
+    from vlmrl.models import attention
+
+    monkeypatch.setitem(attention.ATTENTION_CHECK_TOL, torch.bfloat16, 1e-6)
+    monkeypatch.setattr(attention, "_ATTENTION_CHECKED", {})
+    with pytest.raises(attention.AttentionBackendError,
+                       match=r"'sdpa' disagrees.*output differs.*3 heads, 1 KV groups of 8.*lm_attention_backend=sdpa"):
+        attention.check_attention_backend("sdpa", heads=3, groups=1, head_dim=8, device=torch.device("cpu"),
+                                          dtype=torch.bfloat16)
