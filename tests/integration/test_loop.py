@@ -55,7 +55,8 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
     with ray_cluster(cfg, tmp_path):
         loop.placement = create_placement(cfg, compute_layout(cfg))
         loop._start_engines()
-        trainer = TrainerGroup(cfg, loop.model_path, total_steps=4, placement=loop.placement)
+        # not waited for: the first collective call waits for the ranks' start-up
+        trainer = TrainerGroup(cfg, loop.model_path, total_steps=4, placement=loop.placement, wait=False)
         loop.trainer = trainer
         for _ in range(2):
             trainer.sft_step(sft_samples(loop.processor, loop.train_data.sample_batch(8)))

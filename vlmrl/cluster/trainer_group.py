@@ -9,11 +9,12 @@ gathering the HF-named buckets, and global rank 0 pushes each bucket to every en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..config.layout import compute_layout
@@ -253,8 +254,8 @@ class TrainerGroup:
     def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int, placement: Placement,
                  wait: bool = True) -> None:
         """Start the ranks. `wait=False` returns once the actors are requested: their start-up
-        (process, imports, Megatron, the model) runs while the caller does other work, and
-        `wait_ready` (which every other method needs first) waits for it."""
+        (process, imports, Megatron, the model) runs while the caller does other work; the
+        first call that needs the ranks (or `wait_ready`) waits for it."""
         import ray
 
         self.cfg = cfg
@@ -278,8 +279,7 @@ class TrainerGroup:
         self.workers = [first] + [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, port)
                                   for r in range(1, self.world_size)]
         self._pending: list[Any] | None = [w.init.remote(model_path, total_steps) for w in self.workers]
-        self.ranks: list[dict[str, int]] = []
-        self.dp_size = 0
+        self._ranks: list[dict[str, int]] = []
         # every call is collective: callers on two threads (an async rollout restarting an
         # engine while the main thread trains) must reach all ranks in the same order
         self._lock = threading.RLock()
@@ -292,9 +292,25 @@ class TrainerGroup:
         import ray
 
         if self._pending is not None:
-            self.ranks = ray.get(self._pending)
-            self.dp_size = self.ranks[0]["dp_size"]
+            self._ranks = ray.get(self._pending)
             self._pending = None
+
+    @property
+    def ranks(self) -> list[dict[str, int]]:
+        """Each rank's parallel coordinates (waits for the ranks' start-up)."""
+        self.wait_ready()
+        return self._ranks
+
+    @property
+    def dp_size(self) -> int:
+        return self.ranks[0]["dp_size"]
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        """A call that reaches every rank: after their start-up, one caller at a time."""
+        with self._lock:
+            self.wait_ready()
+            yield
 
     def _shards(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
         parts = split_by_tokens(samples, self.dp_size)
@@ -304,7 +320,7 @@ class TrainerGroup:
         import ray
 
         shards = self._shards(samples)
-        with self._lock:
+        with self._collective():
             return ray.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards)])
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
@@ -319,7 +335,7 @@ class TrainerGroup:
         import ray
 
         parts = split_by_tokens(samples, self.dp_size)
-        with self._lock:
+        with self._collective():
             outs = ray.get([w.logprobs.remote([samples[i] for i in parts[r["dp_rank"]]])
                             for w, r in zip(self.workers, self.ranks)])
         result: list[Any] = [None] * len(samples)
@@ -335,26 +351,26 @@ class TrainerGroup:
         `reset_links`: an engine behind one of the URLs was restarted."""
         import ray
 
-        with self._lock:
+        with self._collective():
             return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version, reset_links)
                             for w in self.workers])[0]
 
     def export_hf(self) -> dict[str, Any]:
         import ray
 
-        with self._lock:
+        with self._collective():
             return next(sd for sd in ray.get([w.export_hf.remote() for w in self.workers]) if sd is not None)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         import ray
 
-        with self._lock:
+        with self._collective():
             ray.get([w.save.remote(path, extra) for w in self.workers])
 
     def load(self, path: str) -> dict[str, Any]:
         import ray
 
-        with self._lock:
+        with self._collective():
             return ray.get([w.load.remote(path) for w in self.workers])[0]
 
     def shutdown(self) -> None:
