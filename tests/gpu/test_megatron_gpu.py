@@ -173,3 +173,84 @@ def test_flash4_attention_matches_the_sdpa_path(heads, groups, head_dim):
     worst = check_attention_backend("flash4", heads=heads, groups=groups, head_dim=head_dim,
                                     device=torch.device("cuda"), dtype=torch.bfloat16)
     assert worst <= ATTENTION_CHECK_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("heads,groups,head_dim,gated", [(12, 2, 128, False), (16, 2, 256, True)])
+def test_flash4_inside_the_layer_graph_matches_the_eager_layer(heads, groups, head_dim, gated):
+    """With flash4, an attention layer is one compiled graph (`fused_layer.attention_layer`,
+    FlashAttention 4 a custom op inside it, `vlmrl.models.flash4`), replayed as CUDA graphs.
+    Against the same layer run eagerly (the input and output functions uncompiled, the
+    "sdpa" backend's attention between them), bf16: output and the gradients of the input,
+    the QKV and output projections and the MLP within 2e-2 of the largest reference value.
+    Five calls with new values each: three of five samples (offsets padded to eight; CUDA
+    graph trees warm up, record, then replay, where stale inputs would give O(1) errors), two
+    of three samples (offsets padded to four: another recording). `torch.library.opcheck`
+    checks the ops' schema, fake shapes and autograd registration against the kernels."""
+    pytest.importorskip("flash_attn.cute")
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vlmrl.models import flash4
+    from vlmrl.models.attention import PackedSelfAttentionCore, VLPackedSeqParams
+    from vlmrl.models.fused_layer import attention_in, attention_layer, attention_out
+    from vlmrl.models.kernels import begin_graph_step, fused
+    from vlmrl.models.mrope import MRopeSpec, mrope_cos_sin
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hidden, ffn, total = 1024, 2048, 4096
+    torch.manual_seed(0)
+    per = heads // groups
+    qkv_rows = groups * (per * head_dim * (2 if gated else 1) + 2 * head_dim)
+
+    def w(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        p = torch.nn.Parameter((scale * torch.randn(*shape, device=dev)).to(dt))
+        torch._dynamo.mark_static_address(p, guard=False)  # as `kernels.use_cuda_graphs` marks the model's
+        return p
+
+    weights = {"qkv": w(qkv_rows, hidden), "proj": w(hidden, heads * head_dim), "fc1": w(2 * ffn, hidden),
+               "fc2": w(hidden, ffn), "norm1": w(hidden, scale=1.0), "norm2": w(hidden, scale=1.0)}
+    spec = MRopeSpec(head_dim=head_dim, rotary_dim=128, theta=1e6, mrope_section=(16, 24, 24), interleaved=gated)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                            kv_channels=head_dim, attention_dropout=0.0)
+    core = PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend="sdpa")
+
+    def args(offsets: list[int], h: torch.Tensor) -> tuple:
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(offsets[:-1], offsets[1:])]).to(dev)
+        cos, sin = mrope_cos_sin(pos.expand(3, -1), spec, dtype=dt)
+        return (h, (weights["norm1"], 1e-6, gated), weights["qkv"], None, None, None, cos, sin, heads, groups,
+                head_dim, gated), (weights["proj"], (weights["norm2"], 1e-6, gated), weights["fc1"], weights["fc2"])
+
+    def eager(offsets: list[int], h: torch.Tensor) -> torch.Tensor:
+        a_in, (proj, norm2, fc1, fc2) = args(offsets, h)
+        q, k, v, gate = attention_in(*a_in)
+        params = VLPackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(offsets, dtype=torch.int32, device=dev),
+                                   cu_seqlens_kv=torch.tensor(offsets, dtype=torch.int32, device=dev),
+                                   host_offsets=offsets)
+        return attention_out(core.attend(q, k, v, params), gate, h, proj, norm2, fc1, fc2)[0]
+
+    def graph(offsets: list[int], h: torch.Tensor) -> torch.Tensor:
+        a_in, (proj, norm2, fc1, fc2) = args(offsets, h)
+        padded, max_len = flash4.graph_layout(offsets)
+        cu = torch.tensor(padded, dtype=torch.int32, device=dev)
+        begin_graph_step()
+        return fused(attention_layer, True)(*a_in, cu, max_len, True, proj, norm2, fc1, fc2, moe=None)[0]
+
+    layouts = [[0, 37, 337, 1337, 2037, 4096]] * 3 + [[0, 1000, 1100, 4096]] * 2
+    for call, offsets in enumerate(layouts):
+        h = torch.randn(total, 1, hidden, device=dev, dtype=dt, requires_grad=True)
+        dout = torch.randn(total, 1, hidden, device=dev, dtype=dt)
+        wrt = (h, weights["qkv"], weights["proj"], weights["fc1"], weights["fc2"])
+        results = {}
+        for name, fn in (("eager", eager), ("graph", graph)):
+            out = fn(offsets, h)
+            results[name] = [x.detach().clone() for x in (out, *torch.autograd.grad(out, wrt, dout))]
+        for label, got, want in zip(("out", "dh", "dqkv", "dproj", "dfc1", "dfc2"), results["graph"],
+                                    results["eager"]):
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= 2e-2 * max(1.0, want.float().abs().max().item()), (call, label, err)
+    q = torch.randn(total, heads, head_dim, device=dev, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(total, groups, head_dim, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+    padded, max_len = flash4.graph_layout(layouts[2])
+    torch.library.opcheck(flash4.flash4_varlen_fwd, (q, k, v, torch.tensor(padded, dtype=torch.int32, device=dev),
+                                                     max_len, head_dim ** -0.5, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -270,18 +270,30 @@ def test_cuda_graphs_train_as_the_compiled_layers_do(tiny_moe_config, tiny_moe_c
     gradient norms step by step as the same compiled layers launched kernel by kernel on the
     unpadded micro-batches. bf16, so the two runs differ by rounding only (flash attention's
     backward sums in a varying order; the padding changes the packed GEMMs' shapes): 2e-2
-    relative, where a graph replaying stale inputs or weights gives O(1) errors."""
+    relative, where a graph replaying stale inputs or weights gives O(1) errors. Where
+    FlashAttention 4 is installed, a third run holds `hardware.lm_attention_backend=flash4`
+    (the attention layer one graph, FlashAttention 4 inside it) to the same bound."""
     from vlmrl.training.parallel_state import spawn_local
 
     hw = dataclasses.replace(tiny_moe_config.hardware, device="cuda", dist_backend="nccl", fused_kernels=True,
                              train_dtype="bfloat16", vision_attn_implementation="sdpa")
     runs = {}
-    for graphs in (False, True):
-        cfg = dataclasses.replace(tiny_moe_config, hardware=dataclasses.replace(hw, cuda_graphs=graphs))
-        runs[graphs] = spawn_local(_graph_steps, 1, cfg, tiny_moe_checkpoint, backend="nccl", timeout_s=600)[0]
+    variants = {False: {}, True: {}}
+    try:
+        import flash_attn.cute  # noqa: F401
+        variants["flash4"] = {"lm_attention_backend": "flash4"}  # attention inside the layer's graph
+    except ImportError:
+        pass
+    for key, extra in variants.items():
+        cfg = dataclasses.replace(tiny_moe_config, hardware=dataclasses.replace(hw, cuda_graphs=bool(key), **extra))
+        runs[key] = spawn_local(_graph_steps, 1, cfg, tiny_moe_checkpoint, backend="nccl", timeout_s=600)[0]
     print(runs)
-    on, off = runs[True], runs[False]
-    n_layers = tiny_moe_config.model.lm.num_layers
+    off = runs[False]
+    for on in [runs[k] for k in runs if k]:
+        _same_steps(on, off, tiny_moe_config.model.lm.num_layers)
+
+
+def _same_steps(on: dict, off: dict, n_layers: int) -> None:
     assert on["graphs"] and on["graph_layers"] == n_layers and on["graph_moe"] == n_layers
     assert not off["graphs"] and off["stats"]["graphs"] == 0
     assert on["stats"]["graphs"] > 0, on["stats"]

@@ -55,3 +55,30 @@ def test_attention_check_refuses_a_backend_outside_its_bound(monkeypatch):
                        match=r"'sdpa' disagrees.*output differs.*3 heads, 1 KV groups of 8.*lm_attention_backend=sdpa"):
         attention.check_attention_backend("sdpa", heads=3, groups=1, head_dim=8, device=torch.device("cpu"),
                                           dtype=torch.bfloat16)
+
+
+def test_flash4_graph_layout_keeps_recorded_graphs_to_a_few_layouts():
+    """Inside a CUDA graph, FlashAttention 4's sample offsets and longest length key the
+    recording: the offsets are padded with empty samples to a power-of-two count, the longest
+    sample rounded up to a power of two (at least one row tile, at most the row)."""
+    from vlmrl.models.flash4 import MIN_GRAPH_MAX_LEN, graph_layout
+
+    assert graph_layout([0, 37, 337, 1337, 2037, 4096]) == ([0, 37, 337, 1337, 2037, 4096, 4096, 4096], 4096)
+    assert graph_layout([0, 4096]) == ([0, 4096], 4096)
+    assert graph_layout([0, 10, 20]) == ([0, 10, 20, 20], 20)  # never past the row
+    assert graph_layout([0, 100, 200, 300, 1000]) == ([0, 100, 200, 300, 1000, 1000, 1000, 1000], 1000)
+    assert graph_layout([0, 100, 150, 2048]) == ([0, 100, 150, 2048], 2048)
+    assert graph_layout([0] + [64 * (i + 1) for i in range(64)])[1] == MIN_GRAPH_MAX_LEN
+    # RL-like micro-batches of one 8192-token bucket: many layouts, few keys
+    import random
+
+    rng = random.Random(0)
+    keys = set()
+    for _ in range(500):
+        cuts = sorted(rng.sample(range(1, 8192), rng.randint(0, 40)))
+        offsets, max_len = graph_layout([0, *cuts, 8192])
+        keys.add((len(offsets), max_len))
+    assert len(keys) <= 7 * 7, keys
+    for bad in ([5, 10], [0], [0, 10, 5]):
+        with pytest.raises(ValueError, match="offsets"):
+            graph_layout(bad)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,21 +42,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from . import flash4
+from .flash4 import FLASH4_PACKAGE  # noqa: F401  (re-exported)
 from .kernels import pick
 from .mrope import rope_qk
 
 BACKENDS = ("sdpa", "flash4", "eager")
-FLASH4_PACKAGE = "flash-attn-4"  # pip name of FlashAttention 4 (module flash_attn.cute)
 
 
 def flash4_varlen() -> Any:
-    """FlashAttention 4's `flash_attn_varlen_func`, or an ImportError that says what to install."""
-    try:
-        from flash_attn.cute.interface import flash_attn_varlen_func
-    except ImportError as e:
-        raise ImportError(f"hardware.lm_attention_backend=flash4 needs FlashAttention 4 (pip install "
-                          f"{FLASH4_PACKAGE}, module flash_attn.cute), which did not import: {e}") from e
-    return flash_attn_varlen_func
+    """`flash_attn.cute.interface` (FlashAttention 4), or an ImportError that says what to install."""
+    return flash4.interface()
 
 
 @dataclass
@@ -144,7 +141,8 @@ class PackedSelfAttentionCore(MegatronModule):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
         self.backend = backend
-        self._flash4 = flash4_varlen() if backend == "flash4" else None
+        if backend == "flash4":
+            flash4_varlen()  # fail at build, naming the package, rather than at the first step
         self._rope_qk = pick(rope_qk, fused)
         self.layer_number = layer_number
         self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -202,7 +200,7 @@ class PackedSelfAttentionCore(MegatronModule):
             return None
         if self.dropout_p and self.training:
             return None
-        if self._flash4 is not None:
+        if self.backend == "flash4":
             return self._flash4_varlen(q, k, v, params)
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -234,9 +232,28 @@ class PackedSelfAttentionCore(MegatronModule):
                                  f"the attention inputs {q.shape[0]}")
             params._cache["flash4"] = (params.offsets.to(device=q.device, dtype=torch.int32), max(lay["lens"]))
         cu, max_len = params._cache["flash4"]
-        out = self._flash4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
-                           max_seqlen_k=max_len, softmax_scale=self.softmax_scale, causal=self.causal)
-        return out[0] if isinstance(out, tuple) else out
+        return flash4.flash4_attention(q, k, v, cu, max_len, self.softmax_scale, self.causal)
+
+    def graph_attention(self, p: PackedSeqParams, h: Tensor) -> tuple[Tensor, int] | None:
+        """(sample offsets, max_len) for attention inside a compiled layer graph
+        (`vlmrl.models.fused_layer.attention_layer`), or None where this layer attends outside
+        one: a backend other than flash4, CPU or float32, CP, attention dropout in training,
+        or a softmax scale other than 1/sqrt(head_dim) (the graph derives it from the head
+        size). The offsets and max_len come in `flash4.graph_layout`'s bounded set, made
+        once per forward and shared by the layers."""
+        if (self.backend != "flash4" or not h.is_cuda or h.dtype not in (torch.float16, torch.bfloat16)
+                or not isinstance(p, VLPackedSeqParams) or p.cp_size != 1 or (self.dropout_p and self.training)
+                or not math.isclose(self.softmax_scale, self.config.kv_channels ** -0.5)):
+            return None
+        if "flash4_graph" not in p._cache:
+            whole = p.layout()["whole_offsets"]
+            if whole[-1] != h.shape[0] * h.shape[1]:
+                raise ValueError(f"the packed layout covers {whole[-1]} tokens, the layer's input "
+                                 f"{h.shape[0] * h.shape[1]}")
+            offsets, max_len = flash4.graph_layout(whole)
+            p._cache["flash4_graph"] = (torch.tensor(offsets, dtype=torch.int32).to(h.device, non_blocking=True),
+                                        max_len)
+        return p._cache["flash4_graph"]
 
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,

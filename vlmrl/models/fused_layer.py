@@ -12,6 +12,8 @@ unchanged) but runs its forward as one of
       attention_in    input RMSNorm -> QKV(+gate) GEMM -> split heads -> q/k RMSNorm -> M-RoPE   compiled
       core attention  per-sample cuDNN SDPA / flash varlen / context parallel                 eager
       attention_out   output gate -> out-proj GEMM -> residual -> pre-MLP RMSNorm [-> MLP]    compiled
+    (with `hardware.lm_attention_backend=flash4`: `attention_layer`, all three as one graph,
+     FlashAttention 4 a custom op inside it; `vlmrl.models.flash4`)
 
     Gated DeltaNet layer (Qwen3.5)
       gdn_in          input RMSNorm -> the four input projections -> decay and beta           compiled
@@ -44,6 +46,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from .attention import GroupedSelfAttention, PackedSelfAttentionCore, VLPackedSeqParams
+from .flash4 import flash4_attention
 from .gated_delta import decay_and_beta, gated_rms_norm
 from .gdn import GatedDeltaNet
 from .kernels import fused
@@ -107,6 +110,18 @@ def attention_out(ctx: Tensor, gate: Tensor | None, residual: Tensor, proj_w: Te
         ctx = (ctx * torch.sigmoid(gate.float())).to(ctx.dtype)
     h = residual + F.linear(ctx, proj_w).view_as(residual)
     return _mlp_or_norm(h, norm, fc1_w, fc2_w, moe)
+
+
+def attention_layer(h: Tensor, norm: Norm, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Norm | None,
+                    k_norm: Norm | None, cos: Tensor, sin: Tensor, heads: int, groups: int, head_dim: int,
+                    gated: bool, cu_seqlens: Tensor, max_len: int, causal: bool, proj_w: Tensor, norm2: Norm,
+                    fc1_w: Tensor | None = None, fc2_w: Tensor | None = None,
+                    moe: tuple[Any, ...] | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The whole attention layer as one graph: `attention_in` -> FlashAttention 4 (a custom op
+    inside the graph, `vlmrl.models.flash4`; softmax scale 1/sqrt(head_dim)) -> `attention_out`."""
+    q, k, v, gate = attention_in(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, heads, groups, head_dim, gated)
+    ctx = flash4_attention(q, k, v, cu_seqlens, max_len, head_dim ** -0.5, causal)
+    return attention_out(ctx.reshape(ctx.shape[0], heads * head_dim), gate, h, proj_w, norm2, fc1_w, fc2_w, moe)
 
 
 def gdn_in(h: Tensor, norm: Norm, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor, a_log: Tensor,
@@ -239,10 +254,17 @@ class FusedTransformerLayer(TransformerLayer):
         def qk(n: Any) -> Norm | None:
             return (n.weight, n.eps, n.zero_centered) if isinstance(n, RMSNorm) else None
 
+        core = attn.core_attention
+        inside = core.graph_attention(p, h)
+        if inside is not None:  # FlashAttention 4 inside the graph: the layer is one graph
+            return self._output_graph(
+                attention_layer, h, norm1, attn.linear_qkv.weight, attn.linear_qkv.bias, qk(attn.q_layernorm),
+                qk(attn.k_layernorm), p.rope_cos, p.rope_sin, c.num_attention_heads, c.num_query_groups,
+                c.kv_channels, gated, *inside, core.causal, attn.linear_proj.weight, norm2, *fc, moe=moe)
         q, k, v, gate = fused(attention_in, self.cuda_graphs)(
             h, norm1, attn.linear_qkv.weight, attn.linear_qkv.bias, qk(attn.q_layernorm), qk(attn.k_layernorm),
             p.rope_cos, p.rope_sin, c.num_attention_heads, c.num_query_groups, c.kv_channels, gated)
-        ctx = attn.core_attention.attend(q, k, v, p)
+        ctx = core.attend(q, k, v, p)
         return self._output_graph(attention_out, ctx, gate, h, attn.linear_proj.weight, norm2, *fc, moe=moe)
 
     def _gdn(self, h: Tensor, p: VLPackedSeqParams, norm1: Norm, norm2: Norm,
