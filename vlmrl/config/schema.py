@@ -179,8 +179,8 @@ class HardwareConfig(Sealable):
     vision_attn_implementation: str = "sdpa"
     # attention of the Megatron language model: "sdpa" (torch SDPA: cuDNN's kernels per sample,
     # or torch's varlen flash kernel for many samples), "flash4" (FlashAttention 4's varlen
-    # kernels, package flash-attn-4, Hopper / Blackwell: one call per layer, no repeated K / V;
-    # planned as the GPU default once measured on the H200) or "local" (explicit softmax)
+    # kernels, package flash-attn-4, Hopper / Blackwell: inside each attention layer's compiled
+    # graph, no repeated K / V; the h100 / h200 default) or "local" (explicit softmax)
     lm_attention_backend: str = "sdpa"
     # Inductor-compiled (torch.compile) RMSNorm, M-RoPE and log-softmax plus megatron-core's
     # compiled SwiGLU in the trainer (vlmrl.models.kernels); needs a compiler toolchain
