@@ -43,16 +43,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from . import flash4
-from .flash4 import FLASH4_PACKAGE  # noqa: F401  (re-exported)
 from .kernels import pick
 from .mrope import rope_qk
 
 BACKENDS = ("sdpa", "flash4", "eager")
-
-
-def flash4_varlen() -> Any:
-    """`flash_attn.cute.interface` (FlashAttention 4), or an ImportError that says what to install."""
-    return flash4.interface()
 
 
 @dataclass
@@ -142,7 +136,7 @@ class PackedSelfAttentionCore(MegatronModule):
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
         self.backend = backend
         if backend == "flash4":
-            flash4_varlen()  # fail at build, naming the package, rather than at the first step
+            flash4.interface()  # fails at build, naming the package, rather than at the first step
         self._rope_qk = pick(rope_qk, fused)
         self.layer_number = layer_number
         self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
