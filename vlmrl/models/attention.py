@@ -17,7 +17,9 @@ this module takes the THD tensors Megatron hands it ([t, heads, head_dim] when
 - backend "flash4" (`hardware.lm_attention_backend=flash4`): FlashAttention 4's varlen kernels
   (the `flash-attn-4` package, `flash_attn.cute`; Hopper and Blackwell), one call for all
   samples with the KV groups read natively (no repeated K / V, no per-sample padding), on
-  CUDA in half precision without CP or attention dropout; elsewhere the "sdpa" path.
+  CUDA in half precision without CP or attention dropout; elsewhere the "sdpa" path. The
+  kernels are torch custom ops (`vlmrl.models.flash4`): on the fused layer path they run
+  inside the attention layer's compiled graph (`graph_attention`), here eagerly.
 - backend "eager": explicit masked softmax, for debugging.
 - context parallelism: the rank's two zigzag chunks of each sample attend to the keys and
   values of the whole sample, all-gathered over the CP group (backward: reduce), with
