@@ -44,7 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from . import flash4
+from . import compat, flash4
 from .kernels import pick
 from .mrope import rope_qk
 
@@ -247,8 +247,7 @@ class PackedSelfAttentionCore(MegatronModule):
                 raise ValueError(f"the packed layout covers {whole[-1]} tokens, the layer's input "
                                  f"{h.shape[0] * h.shape[1]}")
             offsets, max_len = flash4.graph_layout(whole)
-            p._cache["flash4_graph"] = (torch.tensor(offsets, dtype=torch.int32).to(h.device, non_blocking=True),
-                                        max_len)
+            p._cache["flash4_graph"] = (compat.to_device(torch.tensor(offsets, dtype=torch.int32), h.device), max_len)
         return p._cache["flash4_graph"]
 
     # ------------------------------------------------------------------ forward
