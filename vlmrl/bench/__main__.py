@@ -27,10 +27,19 @@ def main(argv: list[str]) -> int:
     rc = cli.main([])
     rc |= rollout.main(["--batch-size", "64", "--max-new-tokens", "64", "--device", "cpu", "--repeats", "3"])
     if torch.cuda.is_available():
+        # the attention backend the h100 / h200 configs train with, where it is installed
+        try:
+            import flash_attn.cute  # noqa: F401
+            att = "_flash4"
+        except ImportError:
+            att = ""
+            print("make bench: FlashAttention 4 is not installed (pip install -e '.[gpu]'), so the "
+                  "training benchmarks time the sdpa attention backend", file=sys.stderr)
+        dense, moe = f"vlmrl_megatron_fused_graphs{att}", f"vlmrl_qwen35_moe_graphs{att}"
         rc |= train_gpu.main(["--seq", "4096", "--iters", "20", "--warmup", "5",
-                              "--variants", "hf_sdpa,vlmrl_megatron_fused_graphs,hf_sdpa,vlmrl_megatron_fused_graphs"])
+                              "--variants", f"hf_sdpa,{dense},hf_sdpa,{dense}"])
         rc |= train_gpu.main(["--shape", "qwen35_moe", "--samples", "8", "--iters", "10", "--warmup", "3",
-                              "--variants", "hf_qwen35_moe,vlmrl_qwen35_moe_graphs,hf_qwen35_moe,vlmrl_qwen35_moe_graphs"])
+                              "--variants", f"hf_qwen35_moe,{moe},hf_qwen35_moe,{moe}"])
         for model in ("dense", "qwen35_moe"):
             rc |= weight_sync.main(["--model", model, "--device", "cuda"])
         rc |= trainer_steps.main(["--model", "qwen35_moe", "--device", "cuda"])
