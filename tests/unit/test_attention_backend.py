@@ -82,3 +82,18 @@ def test_flash4_graph_layout_keeps_recorded_graphs_to_a_few_layouts():
     for bad in ([5, 10], [0], [0, 10, 5]):
         with pytest.raises(ValueError, match="offsets"):
             graph_layout(bad)
+
+
+def test_gpu_benches_train_with_the_hopper_default_where_flash4_is_installed():
+    """The weight-sync and trainer-steps benches build the trainer from `hardware=h200`, which
+    trains attention with FlashAttention 4: where it is not installed they fall back to sdpa
+    (and say so); the config they load (as they load it) carries the backend they time."""
+    from vlmrl.bench.weight_sync import trainer_overrides
+    from vlmrl.config import load
+    from vlmrl.models import flash4
+
+    overrides = trainer_overrides("cuda", "bfloat16")
+    assert ("hardware.lm_attention_backend=sdpa" in overrides) == (not flash4.installed())
+    cfg = load(overrides, check_rules=False)
+    assert cfg.hardware.lm_attention_backend == ("flash4" if flash4.installed() else "sdpa")
+    assert "hardware.lm_attention_backend=sdpa" not in trainer_overrides("cpu", "float32")

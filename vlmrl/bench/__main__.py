@@ -27,12 +27,11 @@ def main(argv: list[str]) -> int:
     rc = cli.main([])
     rc |= rollout.main(["--batch-size", "64", "--max-new-tokens", "64", "--device", "cpu", "--repeats", "3"])
     if torch.cuda.is_available():
+        from ..models import flash4
+
         # the attention backend the h100 / h200 configs train with, where it is installed
-        try:
-            import flash_attn.cute  # noqa: F401
-            att = "_flash4"
-        except ImportError:
-            att = ""
+        att = "_flash4" if flash4.installed() else ""
+        if not att:
             print("make bench: FlashAttention 4 is not installed (pip install -e '.[gpu]'), so the "
                   "training benchmarks time the sdpa attention backend", file=sys.stderr)
         dense, moe = f"vlmrl_megatron_fused_graphs{att}", f"vlmrl_qwen35_moe_graphs{att}"

@@ -125,6 +125,13 @@ def trainer_overrides(device: str, dtype: str) -> list[str]:
     and the engine (the colocated layout), or the CPU one; no reference model."""
     hardware = (["hardware=h200", "cluster.num_gpus=1", "rollout.num_gpus=1"] if device == "cuda"
                 else ["hardware=cpu"])
+    if device == "cuda":
+        from ..models import flash4
+
+        if not flash4.installed():  # h200 trains attention with it; sdpa needs nothing
+            print("FlashAttention 4 is not installed: the trainer runs hardware.lm_attention_backend=sdpa",
+                  file=sys.stderr)
+            hardware.append("hardware.lm_attention_backend=sdpa")
     return [*hardware, f"hardware.train_dtype={dtype}", "algo.kl_coef=0", "hardware.vision_attn_implementation=sdpa"]
 
 

@@ -46,6 +46,15 @@ def interface() -> Any:
     return iface
 
 
+def installed() -> bool:
+    """Whether FlashAttention 4 imports here."""
+    try:
+        interface()
+    except ImportError:
+        return False
+    return True
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
