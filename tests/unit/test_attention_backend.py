@@ -97,3 +97,18 @@ def test_gpu_benches_train_with_the_hopper_default_where_flash4_is_installed():
     cfg = load(overrides, check_rules=False)
     assert cfg.hardware.lm_attention_backend == ("flash4" if flash4.installed() else "sdpa")
     assert "hardware.lm_attention_backend=sdpa" not in trainer_overrides("cpu", "float32")
+
+
+def test_startup_checks_compare_relative_to_the_reference_and_stop_at_nan():
+    """The comparison behind both startup checks (attention, Gated DeltaNet): the largest
+    difference relative to the reference's largest magnitude; the first pair past the bound,
+    NaN included, is named."""
+    from vlmrl.models.reference_check import worst_relative
+
+    want = torch.tensor([1.0, -4.0])
+    worst, bad = worst_relative([("a", want + 0.04, want), ("b", want, want)], 2e-2)
+    assert bad is None and abs(worst - 0.01) < 1e-6
+    worst, bad = worst_relative([("a", want, want), ("b", want + 0.2, want), ("c", want * 9, want)], 2e-2)
+    assert bad == ("b", worst) and abs(worst - 0.05) < 1e-6
+    worst, bad = worst_relative([("a", torch.tensor([float("nan"), 0.0]), want)], 2e-2)
+    assert bad is not None and bad[0] == "a" and worst != worst

@@ -47,6 +47,7 @@ from torch import Tensor
 from . import compat, flash4
 from .kernels import pick
 from .mrope import rope_qk
+from .reference_check import worst_relative
 
 BACKENDS = ("sdpa", "flash4", "eager")
 
@@ -435,14 +436,11 @@ def check_attention_backend(backend: str, *, heads: int, groups: int, head_dim: 
 
     want, got = run("eager", torch.float32), run(backend, dtype)
     tol = ATTENTION_CHECK_TOL.get(dtype, 2e-2)
-    worst = 0.0
-    for name, g, w in zip(("output", "grad of q", "grad of k", "grad of v"), got, want):
-        rel = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
-        worst = max(worst, rel)
-        if not rel <= tol:  # catches NaN too
-            raise AttentionBackendError(
-                f"attention backend {backend!r} disagrees with the explicit softmax: {name} differs by "
-                f"{rel:.3g} relative (tolerance {tol:g}; {heads} heads, {groups} KV groups of {head_dim}, "
-                f"{dtype}, {device}); refusing to train on it. Set hardware.lm_attention_backend=sdpa")
+    worst, bad = worst_relative(zip(("output", "grad of q", "grad of k", "grad of v"), got, want), tol)
+    if bad is not None:
+        raise AttentionBackendError(
+            f"attention backend {backend!r} disagrees with the explicit softmax: {bad[0]} differs by "
+            f"{bad[1]:.3g} relative (tolerance {tol:g}; {heads} heads, {groups} KV groups of {head_dim}, "
+            f"{dtype}, {device}); refusing to train on it. Set hardware.lm_attention_backend=sdpa")
     _ATTENTION_CHECKED[key] = worst
     return worst

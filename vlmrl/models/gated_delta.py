@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .compat import to_device
 from .kernels import pick
+from .reference_check import worst_relative
 
 BACKENDS = ("torch", "fla")
 CHUNK = 64
@@ -471,18 +472,15 @@ def _check_layout(device: torch.device, dtype: torch.dtype, hk: int, hv: int, dk
     ref_o, ref_g = run(False)
     o, grads = run(True)
     tol = FAST_PATH_TOL.get(dtype, 2e-2)
-    worst = 0.0
-    for name, got, want in [("output", o, ref_o)] + [(f"grad of {n}", gg, rg) for n, gg, rg in
-                                                      zip(("input", "conv weight", "a", "b"), grads, ref_g)]:
-        rel = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
-        worst = max(worst, rel)
-        if not rel <= tol:  # catches NaN too
-            raise FastPathError(
-                f"the fla Gated DeltaNet path{' (FlashQLA split across SMs)' if force_split else ''} disagrees "
-                f"with the torch reference: {name} differs by "
-                f"{rel:.3g} relative (tolerance {tol:g}, {dtype}, {device}); refusing to train on it. "
-                "Install a flash-linear-attention / FlashQLA build that passes, or set "
-                "hardware.gdn_backend=torch")
+    worst, bad = worst_relative([("output", o, ref_o)] + [(f"grad of {n}", gg, rg) for n, gg, rg in
+                                                          zip(("input", "conv weight", "a", "b"), grads, ref_g)], tol)
+    if bad is not None:
+        raise FastPathError(
+            f"the fla Gated DeltaNet path{' (FlashQLA split across SMs)' if force_split else ''} disagrees "
+            f"with the torch reference: {bad[0]} differs by "
+            f"{bad[1]:.3g} relative (tolerance {tol:g}, {dtype}, {device}); refusing to train on it. "
+            "Install a flash-linear-attention / FlashQLA build that passes, or set "
+            "hardware.gdn_backend=torch")
     # the contexts FlashQLA ran with (none where its verifier turned these shapes to fla's path)
     if force_split and not all(ctx.is_intra for ctx in packed._qla.values()):
         raise FastPathError("FlashQLA did not split the check's long sample as forced: its split path went unchecked")
