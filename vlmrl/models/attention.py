@@ -219,16 +219,9 @@ class PackedSelfAttentionCore(MegatronModule):
                            window_size=(-1, 0) if self.causal else (-1, -1), **kwargs)
 
     def _flash4_varlen(self, q: Tensor, k: Tensor, v: Tensor, params: VLPackedSeqParams) -> Tensor:
-        """FlashAttention 4 over every sample of q [T, h, d], k/v [T, g, d] in one call: the
-        sample offsets as int32 on the device and the longest sample from the host layout,
-        made once per forward and shared by the layers; the KV groups as they are."""
-        if "flash4" not in params._cache:
-            lay = params.layout()
-            if lay["whole_offsets"][-1] != q.shape[0]:
-                raise ValueError(f"the packed layout covers {lay['whole_offsets'][-1]} tokens, "
-                                 f"the attention inputs {q.shape[0]}")
-            params._cache["flash4"] = (params.offsets.to(device=q.device, dtype=torch.int32), max(lay["lens"]))
-        cu, max_len = params._cache["flash4"]
+        """FlashAttention 4 over every sample of q [T, h, d], k/v [T, g, d] in one call, the KV
+        groups as they are (eagerly; inside the layer graph see `graph_attention`)."""
+        cu, max_len = self._flash4_layout(params, q.shape[0], q.device)
         return flash4.flash4_attention(q, k, v, cu, max_len, self.softmax_scale, self.causal)
 
     def graph_attention(self, p: PackedSeqParams, h: Tensor) -> tuple[Tensor, int] | None:
@@ -236,20 +229,25 @@ class PackedSelfAttentionCore(MegatronModule):
         (`vlmrl.models.fused_layer.attention_layer`), or None where this layer attends outside
         one: a backend other than flash4, CPU or float32, CP, attention dropout in training,
         or a softmax scale other than 1/sqrt(head_dim) (the graph derives it from the head
-        size). The offsets and max_len come in `flash4.graph_layout`'s bounded set, made
-        once per forward and shared by the layers."""
+        size)."""
         if (self.backend != "flash4" or not h.is_cuda or h.dtype not in (torch.float16, torch.bfloat16)
                 or not isinstance(p, VLPackedSeqParams) or p.cp_size != 1 or (self.dropout_p and self.training)
                 or not math.isclose(self.softmax_scale, self.config.kv_channels ** -0.5)):
             return None
-        if "flash4_graph" not in p._cache:
+        return self._flash4_layout(p, h.shape[0] * h.shape[1], h.device)
+
+    @staticmethod
+    def _flash4_layout(p: VLPackedSeqParams, tokens: int, device: torch.device) -> tuple[Tensor, int]:
+        """The packed layout as FlashAttention 4 takes it, in `flash4.graph_layout`'s bounded set
+        (a recorded graph is keyed on it): int32 offsets on the device (through pinned memory,
+        from the host layout) and max_len; made once per forward and shared by the layers."""
+        if "flash4" not in p._cache:
             whole = p.layout()["whole_offsets"]
-            if whole[-1] != h.shape[0] * h.shape[1]:
-                raise ValueError(f"the packed layout covers {whole[-1]} tokens, the layer's input "
-                                 f"{h.shape[0] * h.shape[1]}")
+            if whole[-1] != tokens:
+                raise ValueError(f"the packed layout covers {whole[-1]} tokens, the attention's input {tokens}")
             offsets, max_len = flash4.graph_layout(whole)
-            p._cache["flash4_graph"] = (compat.to_device(torch.tensor(offsets, dtype=torch.int32), h.device), max_len)
-        return p._cache["flash4_graph"]
+            p._cache["flash4"] = (compat.to_device(torch.tensor(offsets, dtype=torch.int32), device), max_len)
+        return p._cache["flash4"]
 
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
