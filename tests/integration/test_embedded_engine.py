@@ -192,6 +192,7 @@ def test_async_calls_are_coalesced_and_equal_sync(engine, images):
 
     out = asyncio.run(many())
     assert engine.stats["batches"] - before < len(reqs) * 3  # coalesced
+    assert engine.load() == {"running": 0, "waiting": 0}  # every request counted out again
     for i, o in enumerate(out):
         assert o[0].output_ids == ref[i % len(reqs)].output_ids
 
@@ -209,13 +210,17 @@ def test_weight_update_release_resume(engine, images):
     originals = [(n, v.clone()) for n, v in to_checkpoint(sd, family).items()]
     if family == "qwen3_5_moe":
         assert any(".mlp.experts.3.up_proj.weight" in n for n, _ in originals)
+    refused = dict(engine.stats)
     try:
         asyncio.run(engine.release_memory_occupation())
         assert not asyncio.run(engine.health())
         assert isinstance(engine.generate_sync([req])[0], Exception)
+        assert engine.stats["refused_generate_released"] == refused["refused_generate_released"] + 1
+        assert engine.load() == {"running": 0, "waiting": 0}
         changed = [(n, v * 1.5) for n, v in originals if ".layers." in n]
         with pytest.raises(EngineError, match="resume"):  # weights released: no update
             asyncio.run(engine.update_weights_from_tensor(changed, weight_version="v1"))
+        assert engine.stats["refused_update_released"] == refused["refused_update_released"] + 1
         # the colocated order: weights back, update, then the CUDA graphs and the KV cache
         asyncio.run(engine.resume_memory_occupation(list(COLOCATED_RESUME_BEFORE_SYNC)))
         asyncio.run(engine.update_weights_from_tensor(changed, bucket_bytes=64 << 10, weight_version="v1"))
@@ -278,8 +283,10 @@ def test_ray_actor(family_checkpoint, monkeypatch, engine, images):
     try:
         cfg, path = family_checkpoint
         d = cfg.data
+        with pytest.raises(ValueError, match="make sglang-contract SGLANG_VERSION=0.0.1"):
+            create_embedded_actor(path, sglang_version="0.0.1")  # refused before any actor starts
         actor = create_embedded_actor(path, num_cpus=0.5, min_pixels=d.min_pixels,
-                                      max_pixels=d.max_pixels)
+                                      max_pixels=d.max_pixels, sglang_version="0.5.17")
         remote = RayEngine(actor, name="embedded-ray")
         reqs = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=6))
 
@@ -292,6 +299,19 @@ def test_ray_actor(family_checkpoint, monkeypatch, engine, images):
         for a, b in zip(out, ref):
             assert a.output_ids == b.output_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= TOL
+        # its HTTP server speaks the release it was given (rollout.embedded.sglang_version)
+        import json
+        import urllib.error
+        import urllib.request
+
+        url = ray.get(actor.start_http.remote())
+        with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
+            assert json.loads(r.read())["version"] == "0.5.17"
+        with pytest.raises(urllib.error.HTTPError) as e:  # 0.5.17 has no weight-update sessions
+            urllib.request.urlopen(urllib.request.Request(url + "/begin_weight_update", data=b"{}"), timeout=30)
+        assert e.value.code == 404
+        stats = ray.get(actor.stats.remote())
+        assert stats["requests"] >= len(reqs) and stats["release_refused_busy"] == 0
     finally:
         ray.shutdown()
         shutil.rmtree(ray_dir, ignore_errors=True)

@@ -1,6 +1,7 @@
-"""vlmrl's client, embedded server and launcher held against SGLang's HTTP contract
-(vlmrl/rollout/sglang_contract.json, read from the SGLang wheel's source by
-vlmrl.rollout.sglang_contract), and that scanner itself on a synthetic package.
+"""vlmrl's client, embedded server and launcher held against SGLang's HTTP contract of every
+release vlmrl speaks (vlmrl/rollout/contracts/sglang-<version>.json, read from the SGLang
+wheel's source by vlmrl.rollout.sglang_contract), and that scanner itself on a synthetic
+package.
 
 No SGLang name is typed into this file: what vlmrl sends is captured from its own client
 (`HTTPEngine._call` intercepted), what it serves is read from the embedded server's router,
@@ -13,6 +14,7 @@ import asyncio
 import copy
 import dataclasses
 import inspect
+import json
 import os
 import re
 import sys
@@ -27,72 +29,171 @@ from vlmrl.rollout import protocol
 from vlmrl.rollout.client import HTTPEngine
 from vlmrl.rollout.protocol import MEMORY_TAGS, GenerateRequest, GenerateResult, SamplingParams, memory_tags
 from vlmrl.rollout.sglang_contract import (
-    CONTRACT_FILE,
     ContractScanError,
+    UnknownSGLangVersion,
     format_contract,
+    known_versions,
     load_contract,
     parse_field,
     scan_contract,
+    verify_sampling_params,
 )
-from vlmrl.rollout.sglang_flags import load_flags
+from vlmrl.rollout.sglang_contract import protocol as sglang_protocol
+from vlmrl.rollout.sglang_flags import contract_file, flags_file, load_flags
 
-CONTRACT = load_contract()
+VERSIONS = known_versions()
+CONTRACT = load_contract()  # the newest
 
 
-def _request_struct(method: str, path: str) -> str | None:
-    reqs = CONTRACT["endpoint_requests"]
+@pytest.fixture(params=VERSIONS)
+def contract(request) -> dict[str, Any]:
+    return load_contract(request.param)
+
+
+def _request_struct(contract: dict[str, Any], method: str, path: str) -> str | None:
+    reqs = contract["endpoint_requests"]
     return reqs.get(path) or reqs.get(f"{method} {path}")
 
 
-# --------------------------------------------------------------------------- the file itself
-def test_contract_file_is_generated_and_matches_flags_version():
-    text = CONTRACT_FILE.read_text()
-    assert CONTRACT["generated_by"].startswith("python -m vlmrl.rollout.sglang contract --source sglang-")
+# --------------------------------------------------------------------------- the files themselves
+def test_contracts_are_known_by_version_and_unknown_ones_are_refused():
+    assert len(VERSIONS) >= 2 and list(VERSIONS) == sorted(VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
+    assert CONTRACT["sglang_version"] == VERSIONS[-1] == sglang_protocol().version == load_flags().version
+    for v in VERSIONS:
+        assert contract_file(v).is_file() and flags_file(v).is_file()
+    with pytest.raises(UnknownSGLangVersion) as e:
+        load_contract("0.0.1")
+    message = str(e.value)
+    assert "0.0.1" in message and all(v in message for v in VERSIONS)
+    assert "make sglang-contract SGLANG_VERSION=0.0.1" in message
+    for fn in (sglang_protocol, load_flags):
+        with pytest.raises(ValueError, match="make sglang-contract SGLANG_VERSION=0.0.1"):
+            fn("0.0.1")
+
+
+def test_contract_file_is_generated_and_matches_flags_version(contract):
+    version = contract["sglang_version"]
+    text = contract_file(version).read_text()
+    assert contract["generated_by"].startswith("python -m vlmrl.rollout.sglang contract --source sglang-")
+    assert f"--out vlmrl/rollout/contracts/sglang-{version}.json" in contract["generated_by"]
     # written by format_contract (sorted keys): regenerating from the same wheel gives no diff
-    body = {k: v for k, v in CONTRACT.items() if k != "generated_by"}
-    assert format_contract(body, CONTRACT["generated_by"]) == text
+    body = {k: v for k, v in contract.items() if k != "generated_by"}
+    assert format_contract(body, contract["generated_by"]) == text
     # the launcher's flag list and this contract come from one SGLang release
-    assert load_flags().version == CONTRACT["sglang_version"] != "unknown"
-    assert f"sglang=={CONTRACT['sglang_version']}" in CONTRACT["generated_by"]
+    assert load_flags(version).version == version != "unknown"
+    assert f"sglang=={version}" in contract["generated_by"]
 
 
 @pytest.mark.skipif(not os.environ.get("VLMRL_SGLANG_WHEEL"), reason="set VLMRL_SGLANG_WHEEL=sglang-*.whl")
 def test_contract_file_matches_a_fresh_scan_of_the_wheel():
     fresh = scan_contract(os.environ["VLMRL_SGLANG_WHEEL"])
-    assert fresh == {k: v for k, v in CONTRACT.items() if k != "generated_by"}
+    committed = load_contract(fresh["sglang_version"])
+    assert fresh == {k: v for k, v in committed.items() if k != "generated_by"}
+
+
+def test_protocol_is_read_from_each_contract(contract):
+    p = sglang_protocol(contract["sglang_version"])
+    endpoints = contract["endpoints"]
+    assert p.version == contract["sglang_version"]
+    assert p.weight_update_session == ("/begin_weight_update" in endpoints and "/end_weight_update" in endpoints)
+    assert p.loads == ("/v1/loads" in endpoints) and p.server_info == ("/server_info" in endpoints)
+    assert p.session_required <= set(endpoints) and (not p.session_required or p.weight_update_session)
+    assert p.release_requires_idle == contract["memory"]["release_requires_idle"]["message"]
+    assert {"num_running_reqs", "num_waiting_reqs"} <= set(p.loads_core_keys)
+    assert p.server_info_version and "version" in p.server_info_keys and "loads" in p.loads_reply_keys
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.version = "x"  # type: ignore[misc]
+
+
+def test_the_two_releases_differ_as_measured_on_the_gpu():
+    """DESIGN.md: 0.5.23 refuses /update_weights_from_tensor outside /begin_weight_update ...
+    /end_weight_update; 0.5.17 has neither endpoint."""
+    old, new = sglang_protocol("0.5.17"), sglang_protocol("0.5.23")
+    assert not old.weight_update_session and not old.session_required
+    assert new.weight_update_session and "/update_weights_from_tensor" in new.session_required
+    assert load_contract("0.5.17")["api_schema"] is None and load_contract("0.5.23")["api_schema"] is not None
+
+
+def test_model_configs_record_what_broke_the_tiny_models(contract):
+    """SGLang's Qwen3.5 vision config defaults deepstack_visual_indexes to [8, 16, 24] (every
+    image request of a tiny model failed on it) and its text config reads
+    full_attention_interval with no default (a checkpoint must carry it)."""
+    for model_type in ("qwen3_5", "qwen3_5_moe"):
+        cfg = contract["model_configs"][model_type]
+        assert cfg["vision"]["defaults"]["deepstack_visual_indexes"] == [8, 16, 24]
+        assert "full_attention_interval" in cfg["text"]["required"]
+        assert "full_attention_interval" not in cfg["text"]["defaults"]
+        assert cfg["text"]["defaults"]["num_hidden_layers"] == 48 and cfg["vision"]["required"] == []
+        assert "PretrainedConfig" in cfg["text"]["bases_outside"] and len(cfg["text"]["chain"]) >= 2
+
+
+def test_sampling_verify_rules_hold_sglang_checks(contract):
+    verify = contract["sampling_params"]["verify"]
+    by_param = defaultdict(list)
+    for rule in verify["rules"]:
+        for name in rule["parameters"]:
+            by_param[name].append(rule)
+        assert rule["message"] and rule["where"].startswith("srt/sampling/sampling_params.py:")
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "logit_bias"):
+        assert by_param[name], name
+    # before verify, __post_init__ turns None into defaults and temperature 0 into greedy
+    v = contract["sglang_version"]
+    assert verify_sampling_params({"temperature": 0, "top_k": -1, "max_new_tokens": None}, version=v) is None
+    assert verify_sampling_params({"max_new_tokens": -1}, version=v) == "max_new_tokens must be at least 0, got -1."
+    assert verify_sampling_params({"top_k": 0}, version=v).startswith("top_k must be")
+    # a rule reading the vocabulary size is skipped without one
+    assert verify_sampling_params({"logit_bias": {"99": 1.0}}, version=v) is None
+    assert "logit_bias" in verify_sampling_params({"logit_bias": {"99": 1.0}}, version=v, vocab_size=10)
+    # a value of the wrong type is refused, naming the parameter
+    assert "temperature" in verify_sampling_params({"temperature": "hot"}, version=v)
 
 
 # --------------------------------------------------------------------------- embedded server
-def _embedded_routes() -> dict[str, set[str]]:
+def _embedded_routes(version: str) -> dict[str, set[str]]:
     from vlmrl.rollout.server import build_app
 
-    app = build_app(object())  # handlers only close over the engine; none is called here
+    app = build_app(object(), sglang_version=version)  # handlers only close over the engine; none is called here
     routes: dict[str, set[str]] = defaultdict(set)
     for r in app.router.routes():
         routes[r.resource.canonical].add(r.method)
     return dict(routes)
 
 
-def test_embedded_server_routes_are_sglang_routes():
-    routes = _embedded_routes()
+def test_embedded_server_routes_are_sglang_routes(contract):
+    version = contract["sglang_version"]
+    routes = _embedded_routes(version)
     assert routes
     for path, methods in sorted(routes.items()):
-        assert path in CONTRACT["endpoints"], f"the embedded server serves {path}, SGLang {CONTRACT['sglang_version']} has no such route"
-        theirs = set(CONTRACT["endpoints"][path])
+        assert path in contract["endpoints"], f"the embedded server serves {path}, SGLang {version} has no such route"
+        theirs = set(contract["endpoints"][path])
         ours = set(methods)
         # the one documented superset: aiohttp's add_get also registers HEAD (allow_head=True);
         # SGLang's FastAPI GET routes do not answer HEAD
         if "GET" in ours and "HEAD" not in theirs:
             ours.discard("HEAD")
         assert ours == theirs, f"{path}: embedded server answers {sorted(methods)}, SGLang {sorted(theirs)}"
+    # what the release offers and vlmrl uses is served: sessions, loads, server info
+    p = sglang_protocol(version)
+    wanted = {"/server_info", "/v1/loads"} | (set(("/begin_weight_update", "/end_weight_update"))
+                                               if p.weight_update_session else set())
+    assert wanted <= set(routes), wanted - set(routes)
+    if not p.weight_update_session:
+        assert "/begin_weight_update" not in routes and "/end_weight_update" not in routes
+
+
+def test_embedded_server_refuses_a_release_it_has_no_contract_for():
+    from vlmrl.rollout.server import build_app
+
+    with pytest.raises(UnknownSGLangVersion, match="0.0.1"):
+        build_app(object(), sglang_version="0.0.1")
 
 
 def _reply(res: GenerateResult) -> dict[str, Any]:
     return protocol.result_to_sglang(res, return_logprob=True, return_prompt_token_ids=True)
 
 
-def test_embedded_reply_shape_is_sglang_shape():
-    gen = CONTRACT["generate"]
+def test_embedded_reply_shape_is_sglang_shape(contract):
+    gen = contract["generate"]
     finish_keys = {v["type"]: set(v["keys"]) for v in gen["finish_reasons"].values()}
     for kind, matched in ((protocol.FINISH_STOP, 2), (protocol.FINISH_LENGTH, None)):
         out = _reply(GenerateResult(output_ids=[5, 2], text="x", logprobs=[-0.1, -0.2], finish_reason=kind,
@@ -101,8 +202,8 @@ def test_embedded_reply_shape_is_sglang_shape():
         assert set(out) <= set(gen["response_keys"]), set(out) - set(gen["response_keys"])
         meta = out["meta_info"]
         assert set(meta) <= set(gen["meta_info_keys"]), set(meta) - set(gen["meta_info_keys"])
-        if CONTRACT["api_schema"]:
-            assert set(meta) <= set(CONTRACT["api_schema"]["GenerateMetaInfo"]["fields"])
+        if contract["api_schema"]:
+            assert set(meta) <= set(contract["api_schema"]["GenerateMetaInfo"]["fields"])
         assert set(meta["finish_reason"]) == finish_keys[kind], (kind, meta["finish_reason"])
 
 
@@ -141,20 +242,26 @@ def _client_calls_plan() -> dict[str, list[tuple[tuple, dict]]]:
     }
 
 
-@pytest.fixture(scope="module")
-def client_calls() -> list[tuple[str, str, Any]]:
-    """(method, path, body) of every HTTP call HTTPEngine's public coroutines make."""
+@pytest.fixture(scope="module", params=VERSIONS)
+def client_calls(request) -> tuple[dict[str, Any], list[tuple[str, str, Any]]]:
+    """(the contract, (method, path, body) of every HTTP call HTTPEngine's public coroutines
+    make) against a server of each release (its /server_info reports that version)."""
+    contract = load_contract(request.param)
     calls: list[tuple[str, str, Any]] = []
 
     async def fake_call(method: str, path: str, body: Any = None, **_: Any) -> Any:
-        calls.append((method, path, copy.deepcopy(body)))
+        calls.append((method, path.split("?")[0], copy.deepcopy(body)))
         if path == "/generate":
             ids = [5, 2]
             return _reply(GenerateResult(output_ids=ids, text="x", logprobs=[-0.1] * len(ids),
                                          finish_reason=protocol.FINISH_LENGTH, prompt_tokens=3, rid=body.get("rid")))
-        if method == "GET" and path != "/get_model_info":
+        if path == "/server_info":
+            return {"version": contract["sglang_version"]}
+        if path.startswith("/v1/loads"):
+            return {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]}
+        if method == "GET" and path not in ("/get_model_info", "/model_info"):
             return ""
-        return {} if path == "/get_model_info" else {"success": True, "message": "ok"}
+        return {} if path in ("/get_model_info", "/model_info") else {"success": True, "message": "ok"}
 
     plan = _client_calls_plan()
     engine = HTTPEngine("http://sglang.invalid:1", tensor_format="torch_save")
@@ -174,24 +281,33 @@ def client_calls() -> list[tuple[str, str, Any]]:
 
     asyncio.run(run())
     assert calls
-    return calls
+    return contract, calls
 
 
 def test_client_paths_and_methods_exist_in_sglang(client_calls):
-    for method, path, _ in client_calls:
-        assert path in CONTRACT["endpoints"], f"HTTPEngine calls {method} {path}: not a route of SGLang {CONTRACT['sglang_version']}"
-        assert method in CONTRACT["endpoints"][path], f"{path} answers {CONTRACT['endpoints'][path]}, HTTPEngine uses {method}"
+    contract, calls = client_calls
+    version = contract["sglang_version"]
+    for method, path, _ in calls:
+        assert path in contract["endpoints"], f"HTTPEngine calls {method} {path}: not a route of SGLang {version}"
+        assert method in contract["endpoints"][path], f"{path} answers {contract['endpoints'][path]}, HTTPEngine uses {method}"
+    # a release with weight-update sessions gets one around the tensor updates
+    paths = [p for _, p, _ in calls]
+    if sglang_protocol(version).weight_update_session:
+        first = paths.index("/update_weights_from_tensor")
+        assert "/begin_weight_update" in paths[:first] and "/end_weight_update" in paths[first:]
 
 
 def test_client_bodies_are_sglang_request_fields(client_calls):
+    contract, calls = client_calls
     bad: list[str] = []
-    for method, path, body in client_calls:
+    for method, path, body in calls:
         if not body:
             continue
-        struct = _request_struct(method, path)
+        struct = _request_struct(contract, method, path)
         assert struct is not None, f"HTTPEngine sends a body to {path}, whose SGLang handler takes no request struct"
-        fields = CONTRACT["request_structs"][struct]
-        bad += [f"{path}: {key!r} is not a field of SGLang's {struct} (see request_structs in {CONTRACT_FILE.name})"
+        fields = contract["request_structs"][struct]
+        where = contract_file(contract["sglang_version"]).name
+        bad += [f"{path}: {key!r} is not a field of SGLang's {struct} (see request_structs in {where})"
                 for key in body if key not in fields]
         bad += [f"{path}: {struct}.{name} ({spec}) is required and missing" for name, spec in fields.items()
                 if parse_field(spec)[1] and name not in body]
@@ -199,29 +315,34 @@ def test_client_bodies_are_sglang_request_fields(client_calls):
 
 
 def test_generate_bodies_pass_sglang_json_schema_and_sampling_params(client_calls):
-    bodies = [b for m, p, b in client_calls if p == "/generate"]
+    contract, calls = client_calls
+    bodies = [b for m, p, b in calls if p == "/generate"]
     assert bodies
-    schema = CONTRACT["api_schema"]
+    schema = contract["api_schema"]
     for body in bodies:
         sp = body["sampling_params"]
-        unknown = set(sp) - set(CONTRACT["sampling_params"])
+        unknown = set(sp) - set(contract["sampling_params"]["fields"])
         assert not unknown, f"sampling_params keys {sorted(unknown)} are not SamplingParams fields"
         if schema:  # the JSON gate in front of /generate (SamplingParams rejects unknown keys: HTTP 400)
             assert set(body) <= set(schema["GenerateRequest"]["fields"]), set(body) - set(schema["GenerateRequest"]["fields"])
             assert set(sp) <= set(schema["SamplingParams"]["fields"]), set(sp) - set(schema["SamplingParams"]["fields"])
+        # and every check of SamplingParams.verify passes
+        refused = verify_sampling_params(sp, version=contract["sglang_version"], vocab_size=1 << 20)
+        assert refused is None, (sp, refused)
     # the checked bodies hold every sampling key vlmrl can send (every SamplingParams field set)
     assert _all_sampling().to_sglang() in [b["sampling_params"] for b in bodies]
 
 
 def test_memory_tags_match_sglang(client_calls):
-    mem = CONTRACT["memory"]
+    contract, calls = client_calls
+    mem = contract["memory"]
     assert set(MEMORY_TAGS) == set(mem["tags"].values())
     assert set(MEMORY_TAGS) == set(mem["all_types"])
     # no tags (null or []) means every tag, on release and on resume, in SGLang and in vlmrl
     for call, sites in mem["no_tags"].items():
         for site in sites:
             assert set(site["tags"]) == set(memory_tags(None)), f"{call} without tags covers {site['tags']} ({site['where']})"
-    sent = [t for m, p, b in client_calls if p.endswith("_memory_occupation") and b for t in b.get("tags", [])]
+    sent = [t for m, p, b in calls if p.endswith("_memory_occupation") and b for t in b.get("tags", [])]
     assert sent and set(sent) <= set(mem["tags"].values())
 
 
@@ -272,9 +393,9 @@ def _reply_reads() -> dict[tuple[str, ...], set[str]]:
     return reads
 
 
-def test_reply_keys_vlmrl_reads_are_sglang_keys():
+def test_reply_keys_vlmrl_reads_are_sglang_keys(contract):
     reads = _reply_reads()
-    gen = CONTRACT["generate"]
+    gen = contract["generate"]
     meta_path = ("meta_info",)
     finish_path = ("meta_info", "finish_reason")
     # the dataflow found each level (an empty level would make the checks below vacuous)
@@ -283,9 +404,9 @@ def test_reply_keys_vlmrl_reads_are_sglang_keys():
     assert reads[meta_path] <= set(gen["meta_info_keys"]), reads[meta_path] - set(gen["meta_info_keys"])
     finish_keys = set().union(*(v["keys"] for v in gen["finish_reasons"].values()))
     assert reads[finish_path] <= finish_keys, reads[finish_path] - finish_keys
-    if CONTRACT["api_schema"]:
-        assert reads[meta_path] <= set(CONTRACT["api_schema"]["GenerateMetaInfo"]["fields"])
-        assert reads[()] <= set(CONTRACT["api_schema"]["GenerateResponse"]["fields"])
+    if contract["api_schema"]:
+        assert reads[meta_path] <= set(contract["api_schema"]["GenerateMetaInfo"]["fields"])
+        assert reads[()] <= set(contract["api_schema"]["GenerateResponse"]["fields"])
 
 
 # --------------------------------------------------------------------------- the scanner
@@ -335,6 +456,23 @@ _FAKE = {
         @app.get(root)
         async def dynamic_root():
             pass
+
+        @app.get("/server_info")
+        async def server_info():
+            state = {"internal_states": []}
+            return to_builtins({**state, "version": "9.9.9"})
+
+        @app.post("/begin_weight_update")
+        async def begin_weight_update():
+            pass
+
+        @app.post("/end_weight_update")
+        async def end_weight_update():
+            pass
+
+        @app.post("/update_weights_from_tensor")
+        async def update_weights_from_tensor():
+            pass
     """,
     "srt/entrypoints/loads.py": """
         from fastapi import APIRouter
@@ -343,7 +481,94 @@ _FAKE = {
 
         @router.get("/loads")
         async def loads():
-            pass
+            rows = []
+            return {"version": "9.9.9", "loads": rows}
+    """,
+    "srt/managers/load_snapshot.py": """
+        from typing import ClassVar, Optional
+
+        import msgspec
+
+        _SECTION_FIELDS = frozenset({"memory"})
+
+        class LoadSnapshot(msgspec.Struct):
+            dp_rank: int = 0
+            num_running_reqs: int = 0
+            num_waiting_reqs: int = 0
+            memory: Optional[dict] = None
+            KIND: ClassVar[str] = "load"
+            VALID = frozenset({"core", "memory"})
+    """,
+    "srt/managers/updater.py": """
+        class Updater:
+            def begin_weight_update(self, req):
+                if self._open is not None:
+                    return False
+                self._open = req
+
+            def end_weight_update(self, req):
+                self._open = None
+
+            def update_weights_from_tensor(self, req):
+                if self._open is None:
+                    return False
+
+            def update_weights_from_distributed(self, req):
+                if self._open is None:
+                    return False
+
+            def update_weights_from_disk(self, req):
+                return True
+    """,
+    "srt/configs/base.py": """
+        from transformers import PretrainedConfig
+
+        class BaseText(PretrainedConfig):
+            def __init__(self, layers=4, hidden=8, **kwargs):
+                super().__init__(**kwargs)
+                self.layers = layers
+                self.hidden = hidden
+
+            @property
+            def kinds(self):
+                return [self.interval for _ in range(self.layers)]
+
+            def helper(self):
+                return self.kinds + self.other()
+
+            def other(self):
+                return [self.hidden]
+    """,
+    "srt/configs/fam.py": """
+        from transformers import PretrainedConfig
+
+        from sglang.srt.configs.base import BaseText
+
+        ACT = "gelu"
+
+        class FamVision(PretrainedConfig):
+            model_type = "fam"
+
+            def __init__(self, depth=2, indexes=[1, 2], act=ACT, **kwargs):
+                super().__init__(**kwargs)
+                self.depth = depth
+                self.indexes = indexes
+
+        class FamText(BaseText):
+            model_type = "fam_text"
+
+            def __init__(self, hidden=16, **kwargs):
+                rope = kwargs.pop("rope_parameters", None)
+                super().__init__(hidden=hidden, **kwargs)
+                self.rope = rope
+
+        class FamConfig(PretrainedConfig):
+            model_type = "qwen3_5"
+            sub_configs = {"vision_config": FamVision, "text_config": FamText}
+
+        class FamMoeConfig(FamConfig):
+            model_type = "qwen3_5_moe"
+            sub_configs = {"vision_config": FamVision, "text_config": FamText}
     """,
     "srt/managers/io_struct.py": """
         from dataclasses import dataclass, field
@@ -369,9 +594,50 @@ _FAKE = {
             freed: int = 0
     """,
     "srt/sampling/sampling_params.py": """
+        import math
+
+        _EPS = 1e-6
+        TOP = 1 << 30
+        LIMIT: int = 10
+
         class SamplingParams:
-            def __init__(self, max_new_tokens: int = 128, temperature: float = 1.0, sampling_seed=None):
+            def __init__(self, max_new_tokens: int = 128, temperature: float = 1.0, sampling_seed=None,
+                         top_k: int = TOP, logit_bias=None, regex=None, ebnf=None, is_normalized=False):
                 pass
+
+            def __post_init__(self):
+                \"\"\"Defaults and greedy.\"\"\"
+                if self.is_normalized:
+                    return
+                self.temperature = self.temperature if self.temperature is not None else 1.0
+                if 0 <= self.temperature < _EPS:
+                    self.temperature = 1.0
+                    self.top_k = 1
+                elif self.top_k == -1:
+                    self.top_k = TOP
+                helper(self)
+
+            def verify(self, vocab_size):
+                if not math.isfinite(self.temperature) or self.temperature < 0.0:
+                    raise ValueError(
+                        "temperature must be finite, "
+                        f"got {self.temperature!r}."
+                    )
+                if self.max_new_tokens is not None:
+                    if self.max_new_tokens < 0:
+                        raise ValueError(f"max_new_tokens < 0: {self.max_new_tokens}")
+                    elif self.max_new_tokens > LIMIT:
+                        raise ValueError("at most {LIMIT} tokens")
+                if self.logit_bias is not None:
+                    for token_id in self.logit_bias:
+                        if not 0 <= int(token_id) < vocab_size:
+                            raise ValueError(f"bad key {token_id}, vocabulary {vocab_size - 1:d}")
+                check_more(self)
+                grammars = [self.regex, self.ebnf]
+                if sum(x is not None for x in grammars) > 1:
+                    raise ValueError("one grammar only")
+                if self.top_k == 0:
+                    raise TypeError("not a ValueError: not recorded")
     """,
     "srt/utils/versions.py": """
         def add_versions(info, spans):
@@ -413,6 +679,7 @@ _FAKE = {
 
         class Scheduler:
             def release_memory_occupation(self, recv_req):
+                assert self.idle(), "release only when idle."
                 tags = recv_req.tags
                 if tags is None or len(tags) == 0:
                     tags = GPU_MEMORY_ALL_TYPES
@@ -462,7 +729,9 @@ def test_scanner_on_a_synthetic_package(tmp_path):
     assert c["sglang_version"] == "9.9.9"
     assert c["endpoints"] == {"/health": ["GET"], "/health_generate": ["GET"], "/generate": ["POST", "PUT"],
                               "/release_memory_occupation": ["GET", "POST"], "/vertex_generate": ["POST"],
-                              "/ws": ["WEBSOCKET"], "/v1/loads": ["GET"]}
+                              "/ws": ["WEBSOCKET"], "/v1/loads": ["GET"], "/server_info": ["GET"],
+                              "/begin_weight_update": ["POST"], "/end_weight_update": ["POST"],
+                              "/update_weights_from_tensor": ["POST"]}
     http = "srt/entrypoints/http_server.py"
     assert c["unresolved_routes"] == [f"{http}:{_line(http, '@app.get(root)')} dynamic_root"]
     assert c["endpoint_handlers"]["/generate"] == [f"{http}:{_line(http, '/generate')} generate_request"]
@@ -477,8 +746,49 @@ def test_scanner_on_a_synthetic_package(tmp_path):
     assert parse_field(release["tags"]) == ("Optional[List[str]]", False, "None")
     assert c["response_structs"] == {"ReleaseMemoryOccupationReqOutput": {"rid": "Optional[str] = None",
                                                                           "freed": "int = 0"}}
-    assert c["sampling_params"] == {"max_new_tokens": "int = 128", "temperature": "float = 1.0",
-                                    "sampling_seed": "Any = None"}
+    sp = "srt/sampling/sampling_params.py"
+    assert c["sampling_params"]["fields"] == {
+        "max_new_tokens": "int = 128", "temperature": "float = 1.0", "sampling_seed": "Any = None",
+        "top_k": "int = TOP", "logit_bias": "Any = None", "regex": "Any = None", "ebnf": "Any = None",
+        "is_normalized": "Any = False"}
+    verify = c["sampling_params"]["verify"]
+    assert verify["arguments"] == ["vocab_size"] and verify["where"] == f"{sp}:SamplingParams.verify"
+    rules = verify["rules"]
+    assert [r["condition"] for r in rules] == [  # ValueErrors only, in source order
+        "not math.isfinite(self.temperature) or self.temperature < 0.0", "self.max_new_tokens < 0",
+        "self.max_new_tokens > LIMIT", "not 0 <= int(token_id) < vocab_size", "sum((x is not None for x in grammars)) > 1"]
+    assert rules[0] == {"condition": rules[0]["condition"], "guards": [], "locals": [], "parameters": ["temperature"],
+                        "message": "temperature must be finite, got {self.temperature!r}.",
+                        "where": f"{sp}:{_line(sp, 'raise ValueError(') }"}
+    assert rules[1]["guards"] == [{"if": "self.max_new_tokens is not None"}]
+    assert rules[2]["guards"] == [{"if": "self.max_new_tokens is not None"}, {"if": "not (self.max_new_tokens < 0)"}]
+    assert rules[2]["message"] == "at most {{LIMIT}} tokens"  # a plain string: its braces are text
+    assert rules[3]["guards"] == [{"if": "self.logit_bias is not None"}, {"for": "token_id", "in": "self.logit_bias"}]
+    assert rules[3]["message"] == "bad key {token_id}, vocabulary {vocab_size - 1:d}"
+    assert rules[4]["locals"] == [["grammars", "[self.regex, self.ebnf]"]]
+    assert rules[4]["parameters"] == ["ebnf", "regex"]
+    assert verify["unfollowed_calls"] == [f"{sp}:{_line(sp, 'check_more(self)')} check_more(self)"]
+    assert verify["constants"] == [["_EPS", "1e-06"], ["TOP", "1 << 30"], ["LIMIT", "10"]]
+    post = verify["post_init"]
+    assert post["skipped"] == [f"{sp}:{_line(sp, 'helper(self)')} helper(self)"]
+    assert post["steps"][0] == {"if": "self.is_normalized", "then": [{"return": True}], "else": []}
+    assert post["steps"][2]["else"] == [{"if": "self.top_k == -1", "then": [{"set": "self.top_k", "value": "TOP"}],
+                                         "else": []}]
+    # replayed: defaults, __post_init__, then the rules in order, with SGLang's messages
+    from vlmrl.rollout.sglang_contract import _Verifier
+
+    def check(params: dict[str, Any], vocab_size: int | None = 5) -> str | None:
+        return _Verifier(c["sampling_params"]).check({"max_new_tokens": 4, **params}, {"vocab_size": vocab_size})
+
+    assert check({}) is None
+    assert check({"max_new_tokens": 11}) == "at most {LIMIT} tokens"  # the default (128) is over LIMIT too
+    assert check({"temperature": 0, "top_k": 0}) is None  # greedy: top_k 1
+    assert check({"temperature": -1.5}) == "temperature must be finite, got -1.5."
+    assert check({"logit_bias": {"1": 0.5, "7": 1}}) == "bad key 7, vocabulary 4"
+    assert check({"logit_bias": {"7": 1}}, vocab_size=None) is None
+    assert check({"regex": "a", "ebnf": "b"}) == "one grammar only"
+    assert check({"is_normalized": True, "temperature": None}).startswith(
+        "invalid sampling parameters ['temperature']: TypeError")  # __post_init__ returned early
     gen = c["generate"]
     assert gen["meta_info_keys"] == sorted({"id", "finish_reason", "prompt_tokens", "cached_tokens",
                                             "completion_tokens", "reasoning_tokens", "output_token_logprobs",
@@ -494,6 +804,23 @@ def test_scanner_on_a_synthetic_package(tmp_path):
         {"value": "GPU_MEMORY_ALL_TYPES", "tags": ["kv_cache", "weights"],
          "where": f"srt/managers/scheduler.py:{_line('srt/managers/scheduler.py', 'tags = GPU_MEMORY_ALL_TYPES')}"}]
     assert mem["no_tags"]["resume_memory_occupation"][0]["tags"] == ["weights"]
+    sched = "srt/managers/scheduler.py"
+    assert mem["release_requires_idle"] == {"condition": "self.idle()", "message": "release only when idle.",
+                                            "where": f"{sched}:{_line(sched, 'assert self.idle()')}"}
+    assert c["loads"] == {"endpoint": True, "core_keys": ["dp_rank", "num_running_reqs", "num_waiting_reqs"],
+                          "sections": ["memory"], "reply_keys": ["loads", "version"], "server_info": True,
+                          "server_info_keys": ["version"], "server_info_version": True}  # not **state's
+    assert c["weight_update"] == {"session": True, "session_required": ["/update_weights_from_tensor"],
+                                  "where": "srt/managers/updater.py:Updater"}
+    text = {"class": "FamText", "chain": ["srt/configs/fam.py:FamText", "srt/configs/base.py:BaseText"],
+            "bases_outside": ["PretrainedConfig"], "defaults": {"layers": 4, "hidden": 16, "rope_parameters": None},
+            "required": ["interval"]}
+    vision = {"class": "FamVision", "chain": ["srt/configs/fam.py:FamVision"], "bases_outside": ["PretrainedConfig"],
+              "defaults": {"depth": 2, "indexes": [1, 2], "act": {"source": "ACT"}}, "required": []}
+    assert c["model_configs"] == {
+        "qwen3_5": {"class": "FamConfig", "where": "srt/configs/fam.py:FamConfig", "text": text, "vision": vision},
+        "qwen3_5_moe": {"class": "FamMoeConfig", "where": "srt/configs/fam.py:FamMoeConfig", "text": text,
+                        "vision": vision}}
     assert c["api_schema"] is None  # no api/v1/api_types.py (SGLang before the JSON schema)
 
     c = scan_contract(_fake_package(tmp_path, {"api/v1/api_types.py": _API_TYPES}))
@@ -514,6 +841,38 @@ _BROKEN = {
                         "tags is None"),
     "no sampling params": ("srt/sampling/sampling_params.py", "class Other:\n    pass\n", "SamplingParams"),
     "schema without structs": ("api/v1/api_types.py", "X = 1\n", "api schema"),
+    "no verify": ("srt/sampling/sampling_params.py", "class SamplingParams:\n    x: int = 1\n", "no method `verify`"),
+    "verify raises nothing": ("srt/sampling/sampling_params.py",
+                              "class SamplingParams:\n    x: int = 1\n    def verify(self):\n        pass\n",
+                              "raises no ValueError"),
+    "rule outside the language": ("srt/sampling/sampling_params.py",
+                                  "class SamplingParams:\n    x: int = 1\n    def verify(self):\n"
+                                  "        if self.x.bit_length() > 3:\n            raise ValueError('x')\n",
+                                  "evaluator does not know"),
+    "message not a string": ("srt/sampling/sampling_params.py",
+                             "class SamplingParams:\n    x: int = 1\n    def verify(self):\n"
+                             "        if self.x:\n            raise ValueError(MESSAGE)\n", "is not a string"),
+    "no LoadSnapshot": ("srt/managers/load_snapshot.py", "X = 1\n", "no class LoadSnapshot"),
+    "no section fields": ("srt/managers/load_snapshot.py",
+                          "class LoadSnapshot:\n    num_running_reqs: int = 0\n    num_waiting_reqs: int = 0\n",
+                          "_SECTION_FIELDS"),
+    "no running count": ("srt/managers/load_snapshot.py",
+                         "_SECTION_FIELDS = frozenset()\nclass LoadSnapshot:\n    dp_rank: int = 0\n",
+                         "num_running_reqs"),
+    "loads reply without loads": ("srt/entrypoints/loads.py",
+                                  "from fastapi import APIRouter\nrouter = APIRouter()\n"
+                                  "@router.get('/loads')\nasync def loads():\n    return None\n",
+                                  "returns no dict literal with 'loads'"),
+    "no idle assertion": ("srt/managers/scheduler.py",
+                          "def release_memory_occupation(tags):\n    if tags is None:\n        tags = []\n"
+                          "def resume_memory_occupation(tags):\n    if tags is None:\n        tags = []\n",
+                          "requires before a release"),
+    "session without its class": ("srt/managers/updater.py", None, "session attribute"),
+    "no config class": ("srt/configs/fam.py", "class Other:\n    model_type = 'qwen3_5'\n",
+                        "no class with model_type = 'qwen3_5'"),
+    "no text config": ("srt/configs/fam.py", "class FamConfig:\n    model_type = 'qwen3_5'\n"
+                                             "    sub_configs = {'vision_config': FamConfig}\n",
+                       "has no 'text_config'"),
 }
 
 
@@ -527,19 +886,32 @@ def test_scanner_fails_loudly_when_a_piece_is_missing(tmp_path, case):
         scan_contract(_fake_package(tmp_path, files))
 
 
-def test_contract_command_writes_the_file_deterministically(tmp_path, capsys):
+def test_contract_command_writes_the_file_deterministically(tmp_path, capsys, monkeypatch):
+    """The command writes vlmrl/rollout/contracts/sglang-<version>.json by default (here a
+    temporary folder); with the flag list beside it, the release is known and spoken."""
+    from vlmrl.rollout import sglang_flags
     from vlmrl.rollout.sglang import main
 
+    monkeypatch.setattr(sglang_flags, "CONTRACTS_DIR", tmp_path / "contracts")
+    (tmp_path / "contracts").mkdir()
     src = _fake_package(tmp_path / "pkg", _FAKE)
-    out = tmp_path / "contract.json"
-    assert main(["contract", "--source", str(src), "--out", str(out)]) == 0
+    assert main(["contract", "--source", str(src)]) == 0
+    out = tmp_path / "contracts" / "sglang-9.9.9.json"
     first = out.read_text()
     assert main(["contract", "--source", str(src), "--out", str(out)]) == 0
     assert out.read_text() == first
-    c = load_contract(out)
+    c = json.loads(first)
     assert c["generated_by"].startswith("python -m vlmrl.rollout.sglang contract --source pkg --out ")
     assert c["sglang_version"] == "9.9.9" and "/generate" in c["endpoints"]
-    assert "7 endpoints of sglang 9.9.9" in capsys.readouterr().out
+    assert "11 endpoints of sglang 9.9.9" in capsys.readouterr().out
+    assert known_versions() == ()  # a contract without its flag list is not a release vlmrl speaks
+    (tmp_path / "contracts" / "sglang-9.9.9.flags.txt").write_text("# sglang version: 9.9.9\n")
+    assert known_versions() == ("9.9.9",) and load_flags().version == "9.9.9"
+    p = sglang_protocol()
+    assert p.version == "9.9.9" and p.session_required == frozenset({"/update_weights_from_tensor"})
+    assert p.release_requires_idle == "release only when idle."
+    assert verify_sampling_params({"max_new_tokens": -2}) == "max_new_tokens < 0: -2"
+    assert verify_sampling_params({"max_new_tokens": 3}) is None
 
 
 def _bucket() -> list[tuple[str, Any]]:
@@ -646,8 +1018,22 @@ def test_flattened_bucket_is_what_sglang_reconstructs():
     rebuilt = dict(theirs.reconstruct_tensors())
     for name, t in _bucket():
         assert torch.equal(rebuilt[name], t)
-    assert '("types", "SimpleNamespace")' in common
+    assert _sglang_unpickles(common)("types", "SimpleNamespace")
     assert 'load_format == "flattened_bucket"' in updater and "meta.name" in updater
+
+
+def _sglang_unpickles(common: str) -> Any:
+    """(module, name) -> whether SGLang's SafeUnpickler (srt/utils/common.py) loads that global:
+    an allowlist of exact globals (0.5.2x) or of module prefixes less a deny list (0.5.17)."""
+    tree = ast.parse(common)
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "SafeUnpickler")
+    values = {t.id: ast.literal_eval(n.value) for n in cls.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()}
+    if "ALLOWED_GLOBALS" in values:
+        return lambda module, name: (module, name) in values["ALLOWED_GLOBALS"]
+    prefixes, deny = values["ALLOWED_MODULE_PREFIXES"], values.get("DENY_CLASSES", set())
+    return lambda module, name: ((module, name) not in deny
+                                 and any((module + ".").startswith(p) for p in prefixes))
 
 
 def test_flattened_payload_names_only_globals_sglang_unpickles(monkeypatch):
@@ -688,5 +1074,6 @@ def test_flattened_payload_names_only_globals_sglang_unpickles(monkeypatch):
     if os.environ.get("VLMRL_SGLANG_WHEEL"):
         with zipfile.ZipFile(os.environ["VLMRL_SGLANG_WHEEL"]) as whl:
             common = whl.read("sglang/srt/utils/common.py").decode()
-        allowed = set(re.findall(r'\("([\w.]+)", "(\w+)"\)', common))
-        assert seen <= allowed | {("torch.storage", "_load_from_bytes")}, seen - allowed
+        allowed = _sglang_unpickles(common)
+        refused = {g for g in seen if not allowed(*g)} - {("torch.storage", "_load_from_bytes")}
+        assert not refused, refused

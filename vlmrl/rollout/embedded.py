@@ -26,8 +26,12 @@ greedy tokens).
 
 `generate` (async) feeds a micro-batcher: concurrent callers (the HTTP server, the
 rollout manager) are coalesced into batches of at most `max_batch_size`, run in a worker
-thread. `EmbeddedEngineActor` / `create_embedded_actor` put the engine in a Ray actor and
-`RayEngine` is the `Engine` view of such an actor.
+thread. `load()` counts the requests in the batch being generated ("running") and those
+queued for one ("waiting"), which the HTTP server reports on /v1/loads. A request while memory
+is released, or a weight update while the weights are, is refused and counted in `stats`.
+`EmbeddedEngineActor` / `create_embedded_actor` put the engine in a Ray actor (its HTTP
+server speaking the protocol of the SGLang release `sglang_version`) and `RayEngine` is the
+`Engine` view of such an actor.
 """
 
 from __future__ import annotations
@@ -161,6 +165,7 @@ class EmbeddedEngine:
         self.merge_size = int(cfg.vision_config.spatial_merge_size)
         text_cfg = getattr(cfg, "text_config", cfg)
         self.context_length = int(getattr(text_cfg, "max_position_embeddings", None) or 1 << 30)
+        self.vocab_size = int(getattr(text_cfg, "vocab_size", None) or self.model.get_output_embeddings().weight.shape[0])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         eos: set[int] = set()
         if self.tokenizer.eos_token_id is not None:
@@ -184,7 +189,12 @@ class EmbeddedEngine:
         self._prompt_cache: OrderedDict[Any, _Prepared] = OrderedDict()
         self._prompt_cache_size = int(prompt_cache_size)
         self._batcher: _Batcher | None = None
-        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0}
+        # requests queued for the batcher / taken from it or given to generate_sync but not yet
+        # in a batch / in the batch being generated (what /v1/loads reports)
+        self._load_lock = threading.Lock()
+        self._queued = self._pending = self._running = 0
+        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0,
+                      "refused_generate_released": 0, "refused_update_released": 0}
 
     # ----------------------------------------------------------------- preparation
     def _prepare(self, req: GenerateRequest) -> _Prepared:
@@ -374,52 +384,87 @@ class EmbeddedEngine:
                 self._check_finish(r)
         return rows
 
+    # ----------------------------------------------------------------- load
+    def load(self) -> dict[str, int]:
+        """Requests being generated ("running": the batch in the decode loop) and waiting for
+        a batch ("waiting": queued in the batcher, or taken and not yet run)."""
+        with self._load_lock:
+            return {"running": self._running, "waiting": self._queued + self._pending}
+
+    def _count(self, *, queued: int = 0, pending: int = 0, running: int | None = None) -> None:
+        with self._load_lock:
+            self._queued += queued
+            self._pending += pending
+            if running is not None:
+                self._running = running
+
     # ----------------------------------------------------------------- sync API
     def generate_sync(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult | BaseException]:
         """Run requests now (in chunks of max_batch_size); a failed request's slot holds its
         exception, so one bad request does not fail its companions."""
+        return self._generate(requests, from_queue=False)
+
+    def _generate(self, requests: Sequence[GenerateRequest], *, from_queue: bool) -> list[GenerateResult | BaseException]:
         import torch
 
-        if self.released:
-            err = EngineError(f"engine memory is released ({sorted(self.released_tags)}); call "
-                              "resume_memory_occupation first")
-            return [err for _ in requests]
-        results: list[GenerateResult | BaseException | None] = [None] * len(requests)
-        with self._lock, torch.inference_mode():
-            prepared: list[tuple[int, _Prepared]] = []
-            for i, req in enumerate(requests):
-                try:
-                    prepared.append((i, self._prepare(req)))
-                except BaseException as e:  # noqa: BLE001 (reported per request)
-                    results[i] = e if isinstance(e, EngineError) else EngineError(f"preprocessing failed: {e!r}")
-            # similar lengths together: less padding (results do not depend on grouping)
-            prepared.sort(key=lambda ip: ip[1].length)
-            for s in range(0, len(prepared), self.max_batch_size):
-                chunk = prepared[s:s + self.max_batch_size]
-                try:
-                    rows = self._run_batch([p for _, p in chunk], [requests[i].sampling for i, _ in chunk])
-                except Exception as e:  # noqa: BLE001
-                    log.exception("embedded engine batch failed")
-                    for i, _ in chunk:
-                        results[i] = EngineError(f"generation failed: {e!r}")
-                    continue
-                self.stats["batches"] += 1
-                for (i, prep), r in zip(chunk, rows):
-                    req = requests[i]
-                    self.stats["requests"] += 1
-                    self.stats["generated_tokens"] += len(r.out_ids)
-                    results[i] = GenerateResult(
-                        output_ids=list(r.out_ids),
-                        text=self._text(r),
-                        logprobs=list(r.logprobs) if req.return_logprob else None,
-                        finish_reason=r.finish or FINISH_LENGTH,
-                        prompt_tokens=prep.length,
-                        matched_stop=r.matched,
-                        prompt_ids=prep.ids.tolist(),
-                        rid=req.rid,
-                        weight_version=self.weight_version,
-                    )
-        return results  # type: ignore[return-value]
+        n = len(requests)
+        self._count(queued=-n if from_queue else 0, pending=n)  # one step: never counted in neither
+        left = n
+        try:
+            if self.released:
+                # SGLang 0.5.17 crashed on this; the engine refuses it (HTTP 503) and counts it
+                self.stats["refused_generate_released"] += n
+                err = EngineError(f"engine memory is released ({sorted(self.released_tags)}); call "
+                                  "resume_memory_occupation first")
+                return [err for _ in requests]
+            results: list[GenerateResult | BaseException | None] = [None] * n
+            with self._lock, torch.inference_mode():
+                prepared: list[tuple[int, _Prepared]] = []
+                for i, req in enumerate(requests):
+                    try:
+                        prepared.append((i, self._prepare(req)))
+                    except BaseException as e:  # noqa: BLE001 (reported per request)
+                        results[i] = e if isinstance(e, EngineError) else EngineError(f"preprocessing failed: {e!r}")
+                # similar lengths together: less padding (results do not depend on grouping)
+                prepared.sort(key=lambda ip: ip[1].length)
+                self._count(pending=-(n - len(prepared)))
+                left = len(prepared)
+                for s in range(0, len(prepared), self.max_batch_size):
+                    chunk = prepared[s:s + self.max_batch_size]
+                    self._count(pending=-len(chunk), running=len(chunk))
+                    left -= len(chunk)
+                    try:
+                        rows = self._run_batch([p for _, p in chunk], [requests[i].sampling for i, _ in chunk])
+                    except Exception as e:  # noqa: BLE001
+                        log.exception("embedded engine batch failed")
+                        for i, _ in chunk:
+                            results[i] = EngineError(f"generation failed: {e!r}")
+                        continue
+                    finally:
+                        self._count(running=0)
+                    self._finish(requests, chunk, rows, results)
+            return results  # type: ignore[return-value]
+        finally:
+            self._count(pending=-left)
+
+    def _finish(self, requests: Sequence[GenerateRequest], chunk: list[tuple[int, _Prepared]], rows: list[_Row],
+                results: list[GenerateResult | BaseException | None]) -> None:
+        self.stats["batches"] += 1
+        for (i, prep), r in zip(chunk, rows):
+            req = requests[i]
+            self.stats["requests"] += 1
+            self.stats["generated_tokens"] += len(r.out_ids)
+            results[i] = GenerateResult(
+                output_ids=list(r.out_ids),
+                text=self._text(r),
+                logprobs=list(r.logprobs) if req.return_logprob else None,
+                finish_reason=r.finish or FINISH_LENGTH,
+                prompt_tokens=prep.length,
+                matched_stop=r.matched,
+                prompt_ids=prep.ids.tolist(),
+                rid=req.rid,
+                weight_version=self.weight_version,
+            )
 
     def load_named_tensors(self, named_tensors: Sequence[tuple[str, Any]]) -> None:
         """Copy tensors given by HF checkpoint names into the model (under the engine lock).
@@ -431,6 +476,7 @@ class EmbeddedEngine:
         from ..models import families
 
         if "weights" in self.released_tags:
+            self.stats["refused_update_released"] += 1
             raise EngineError("the weights' memory is released; resume it (tags=['weights']) before "
                               "updating them", retryable=False, status=400)
         family = families.get(families.family_of_hf(self.model.config))
@@ -553,11 +599,15 @@ class _Batcher:
             fut = self.loop.create_future()
             self.queue.put_nowait((req, fut))
             futures.append(fut)
+        self.engine._count(queued=len(requests))
         return futures
 
     def close(self) -> None:
         self.closed = True
         self.task.cancel()
+        left = self.queue.qsize()  # requests never taken: no longer queued
+        if left:
+            self.engine._count(queued=-left)
 
     async def _run(self) -> None:
         while True:
@@ -566,11 +616,13 @@ class _Batcher:
             items = [first]
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
+            taken = len(items)
             items = [(r, f) for r, f in items if not f.done()]  # cancelled callers
+            self.engine._count(queued=-(taken - len(items)))
             if not items:
                 continue
             try:
-                results = await asyncio.to_thread(self.engine.generate_sync, [r for r, _ in items])
+                results = await asyncio.to_thread(self.engine._generate, [r for r, _ in items], from_queue=True)
             except BaseException as e:  # noqa: BLE001
                 results = [e] * len(items)
                 if isinstance(e, asyncio.CancelledError):
@@ -592,8 +644,11 @@ class EmbeddedEngineActor:
     """Ray actor body: one EmbeddedEngine, optionally serving SGLang's HTTP protocol."""
 
     def __init__(self, model_path: str, engine_kwargs: dict[str, Any] | None = None,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, sglang_version: str | None = None) -> None:
         from ..logging.console import quiet_from_env
+        from .sglang_contract import protocol
+
+        self.sglang_version = protocol(sglang_version).version  # an unknown release fails here, at once
 
         quiet_from_env()
         if torch_threads:  # Ray gives an actor with a fractional CPU request one thread
@@ -604,7 +659,8 @@ class EmbeddedEngineActor:
         self._server: Any = None
 
     async def start_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve SGLang's protocol for this engine; host "auto": this node's address."""
+        """Serve the protocol of SGLang `sglang_version` (given at construction) for this
+        engine; host "auto": this node's address."""
         from .server import start_server
 
         if host == "auto":
@@ -612,7 +668,7 @@ class EmbeddedEngineActor:
 
             host = ray.util.get_node_ip_address()
         if self._server is None:
-            self._server = await start_server(self.engine, host, port)
+            self._server = await start_server(self.engine, host, port, sglang_version=self.sglang_version)
         return self._server.url
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
@@ -636,7 +692,8 @@ class EmbeddedEngineActor:
         return await self.engine.health()
 
     async def stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats)
+        """The engine's counters and, once it serves HTTP, the server's (refusals counted)."""
+        return {**self.engine.stats, **(self._server.stats if self._server is not None else {})}
 
     async def close(self) -> None:
         if self._server is not None:
@@ -647,16 +704,21 @@ class EmbeddedEngineActor:
 
 def create_embedded_actor(model_path: str, *, num_cpus: float = 0.5, num_gpus: float = 0.0,
                           name: str = "embedded-0", scheduling_strategy: Any = None, torch_threads: int | None = None,
-                          **engine_kwargs: Any) -> Any:
+                          sglang_version: str | None = None, **engine_kwargs: Any) -> Any:
     """Start an `EmbeddedEngineActor` (Ray must be initialised); returns the actor handle.
-    `scheduling_strategy`: e.g. its placement-group bundle; `torch_threads`: its CPU threads."""
+    `scheduling_strategy`: e.g. its placement-group bundle; `torch_threads`: its CPU threads;
+    `sglang_version`: the SGLang release whose protocol its HTTP server speaks
+    (`rollout.embedded.sglang_version`; None: the newest vlmrl has a contract for)."""
     import ray
 
+    from .sglang_contract import protocol
+
+    protocol(sglang_version)  # an unknown release fails here, before an actor starts
     cls = ray.remote(EmbeddedEngineActor)
     # Ray runs async actor methods concurrently on one event loop: the batcher coalesces them.
     return cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000,
                        scheduling_strategy=scheduling_strategy).remote(model_path, {"name": name, **engine_kwargs},
-                                                                       torch_threads)
+                                                                       torch_threads, sglang_version)
 
 
 class RayEngine:

@@ -1,7 +1,12 @@
-"""An aiohttp server speaking the subset of SGLang's native HTTP protocol vlmrl uses.
+"""An aiohttp server speaking the subset of SGLang's native HTTP protocol vlmrl uses, as one
+SGLang release speaks it.
 
 It fronts any `Engine` (in practice the embedded one), so the same client code drives an
-SGLang server on GPUs and the embedded engine on a laptop. Routes (as in SGLang):
+SGLang server on GPUs and the embedded engine on a laptop. The server emulates one release
+(`sglang_version`, config key `rollout.embedded.sglang_version`; None: the newest vlmrl has a
+contract for) and takes everything release-specific from that release's contract
+(vlmrl/rollout/contracts): which routes exist, the sampling checks, the /v1/loads keys, the
+weight-update session, the text of the release precondition. Routes (as in SGLang):
 
   POST /generate                      text | input_ids, image_data, sampling_params,
                                       return_logprob, return_prompt_token_ids, rid
@@ -26,13 +31,36 @@ SGLang server on GPUs and the embedded engine on a laptop. Routes (as in SGLang)
                                       (null: one broadcast per tensor; "flattened_bucket":
                                       one uint8 broadcast per bucket)
   POST /destroy_weights_update_group
+  POST /begin_weight_update, /end_weight_update   only where the release has them (0.5.23):
+                                      the calls the contract lists under
+                                      weight_update.session_required (tensor and distributed
+                                      updates) are refused (400, success false) outside a
+                                      session; begin while one is open and end while none is
+                                      are refused (400) too. Elsewhere these paths are 404.
   POST|GET /release_memory_occupation, /resume_memory_occupation ({"tags": [...]}), /flush_cache
   GET  /health, /health_generate (runs one greedy token), /get_model_info, /model_info
+  GET  /server_info                   {"version": the emulated release, "startup_time", ...}
+  GET  /v1/loads                      {"timestamp", "version", "loads": [{the contract's core
+                                      keys: num_running_reqs / num_waiting_reqs are the requests
+                                      the engine is generating / has queued, ...}], ...}
 
 Update replies are {"success": bool, "message": str} (400 when success is false), like
 SGLang's. As in SGLang, a request id already in flight is refused (400, "Duplicate request
-ID detected"), and memory tags default to all of weights, kv_cache and cuda_graph. Errors of /generate are {"error": {"message", "type", "code", "retryable"}}
-with status 400 (bad request) or 500/503 (engine failure; the client retries those).
+ID detected"), and memory tags default to all of weights, kv_cache and cuda_graph. Errors of
+/generate are {"error": {"message", "type", "code", "retryable"}} with status 400 (bad
+request) or 500/503 (engine failure; the client retries those).
+
+Sampling parameters are checked as SGLang checks them: an unknown key is a 400; so is a value
+any check of the release's `SamplingParams.verify` refuses, with SGLang's own message (e.g.
+"max_new_tokens must be at least 0, got -1."); then a parameter the embedded engine does not
+implement, set off its default, is a 400 too.
+
+Where SGLang fails hard, the server refuses and keeps serving, and counts it (`stats`):
+a memory release while any request runs or waits (SGLang asserts the server is idle and its
+scheduler dies) is answered 500 with SGLang's assertion text (`release_refused_busy`); a
+/generate while memory is released (SGLang 0.5.17 crashed) is refused by the embedded engine
+(503) and a weight update while the weights are released too (400), both counted in the
+engine's stats (`refused_generate_released`, `refused_update_released`).
 """
 
 from __future__ import annotations
@@ -40,7 +68,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
+import time
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from .protocol import (
@@ -95,14 +125,17 @@ async def _json(request: Any, limit: int | None = None) -> dict[str, Any]:
     return body
 
 
-def sampling_rules() -> tuple[frozenset[str], dict[str, Any]]:
-    """(every sampling parameter SGLang's /generate schema accepts, the default of each),
-    from the contract generated from SGLang's source (sglang_contract.json)."""
+def sampling_rules(sglang_version: str | None = None) -> tuple[frozenset[str], dict[str, Any]]:
+    """(every sampling parameter SGLang's /generate accepts, the default of each) in release
+    `sglang_version`, from its contract: the JSON schema in front of /generate where the
+    release has one, else the fields of its SamplingParams."""
     import ast
 
     from .sglang_contract import load_contract, parse_field
 
-    fields = load_contract()["api_schema"]["SamplingParams"]["fields"]
+    contract = load_contract(sglang_version)
+    schema = contract["api_schema"]
+    fields = schema["SamplingParams"]["fields"] if schema else contract["sampling_params"]["fields"]
     defaults = {}
     for name, spec in fields.items():
         default = parse_field(spec)[2]
@@ -118,10 +151,14 @@ SUPPORTED_SAMPLING = frozenset({"temperature", "top_p", "top_k", "max_new_tokens
                                 "sampling_seed", "ignore_eos"})
 
 
-def check_sampling(params: Any, known: frozenset[str], defaults: dict[str, Any]) -> None:
-    """SGLang refuses sampling parameters its schema does not define (HTTP 400); the embedded
-    engine also refuses, rather than ignores, SGLang's parameters it does not implement when
-    they are set to anything but their default."""
+def check_sampling(params: Any, known: frozenset[str], defaults: dict[str, Any], *,
+                   sglang_version: str | None = None, vocab_size: int | None = None) -> None:
+    """SGLang refuses sampling parameters its schema does not define (HTTP 400) and values its
+    `SamplingParams.verify` refuses (400, its message); the embedded engine also refuses,
+    rather than ignores, SGLang's parameters it does not implement when they are set to
+    anything but their default."""
+    from .sglang_contract import verify_sampling_params
+
     for d in params if isinstance(params, list) else [params]:
         if d is None:
             continue
@@ -130,30 +167,70 @@ def check_sampling(params: Any, known: frozenset[str], defaults: dict[str, Any])
         unknown = sorted(set(d) - known)
         if unknown:
             raise EngineError(f"unknown sampling parameters {unknown}", retryable=False, status=400)
+        refused = verify_sampling_params(d, version=sglang_version, vocab_size=vocab_size)
+        if refused is not None:
+            raise EngineError(refused, retryable=False, status=400)
         unsupported = sorted(k for k, v in d.items() if k not in SUPPORTED_SAMPLING and v != defaults.get(k))
         if unsupported:
             raise EngineError(f"sampling parameters {unsupported} are not implemented by the embedded engine "
                               f"(it implements {sorted(SUPPORTED_SAMPLING)})", retryable=False, status=400)
 
 
-def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: float = 16384.0) -> Any:
-    """The aiohttp application serving `engine` (an `Engine`, usually EmbeddedEngine).
+@dataclass
+class _State:
+    """What the server itself keeps: requests in its /generate handlers, the weight-update
+    session, and the refusals it counted."""
+
+    in_flight: int = 0
+    session: bool = False
+    started: float = field(default_factory=time.time)
+    stats: dict[str, int] = field(default_factory=lambda: {"release_refused_busy": 0,
+                                                           "update_refused_no_session": 0})
+
+
+# application -> (the SGLangProtocol it speaks, its _State)
+_APPS: weakref.WeakKeyDictionary[Any, tuple[Any, _State]] = weakref.WeakKeyDictionary()
+
+
+def _engine_load(engine: Any, state: _State) -> tuple[int, int]:
+    """(running, waiting) requests: the engine's own counts where it keeps them, else the
+    server's requests in flight as running."""
+    load = getattr(engine, "load", None)
+    if callable(load):
+        counts = load()
+        return int(counts["running"]), int(counts["waiting"])
+    return state.in_flight, 0
+
+
+def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: float = 16384.0,
+              sglang_version: str | None = None) -> Any:
+    """The aiohttp application serving `engine` (an `Engine`, usually EmbeddedEngine) with the
+    protocol of SGLang `sglang_version` (None: the newest vlmrl has a contract for; one it has
+    none for raises UnknownSGLangVersion, a ValueError).
 
     A /generate body larger than `max_generate_mb` is refused with 413 before it is read;
     weight-update bodies may be up to `max_weights_mb` (a bucket of base64 tensors)."""
     from aiohttp import web
 
+    from .sglang_contract import protocol
+
+    proto = protocol(sglang_version)
     app = web.Application(client_max_size=int(max_weights_mb * (1 << 20)))
-    known_sampling, sampling_defaults = sampling_rules()
+    state = _State()
+    _APPS[app] = (proto, state)
+    known_sampling, sampling_defaults = sampling_rules(proto.version)
+    vocab_size = getattr(engine, "vocab_size", None)
     generate_limit = int(max_generate_mb * (1 << 20))
     groups: dict[str, Any] = {}  # weight update groups this server joined (receiving side)
     in_flight: set[str] = set()  # request ids being served (SGLang refuses a duplicate one)
 
     async def generate(request: web.Request) -> web.Response:
         rids: list[str] = []
+        state.in_flight += 1
         try:
             body = await _json(request, generate_limit)
-            check_sampling(body.get("sampling_params"), known_sampling, sampling_defaults)
+            check_sampling(body.get("sampling_params"), known_sampling, sampling_defaults,
+                           sglang_version=proto.version, vocab_size=vocab_size)
             reqs, is_batch, want_prompt_ids = requests_from_sglang(body)
             for q in reqs:
                 if q.rid is None:
@@ -171,6 +248,7 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
             return _error(f"{type(e).__name__}: {e}", 500, retryable=True)
         finally:
             in_flight.difference_update(rids)
+            state.in_flight -= 1
         out = [result_to_sglang(r, return_logprob=q.return_logprob, return_prompt_token_ids=want_prompt_ids)
                for q, r in zip(reqs, results)]
         return web.json_response(out if is_batch else out[0])
@@ -178,7 +256,31 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
     def _reply(success: bool, message: str) -> web.Response:
         return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
+    def _outside_session(path: str) -> web.Response | None:
+        """The refusal of a call the release only takes inside a weight-update session."""
+        if path not in proto.session_required or state.session:
+            return None
+        state.stats["update_refused_no_session"] += 1
+        return _reply(False, f"SGLang {proto.version} takes {path} only inside a weight-update session: "
+                             "call /begin_weight_update first and /end_weight_update after")
+
+    async def begin_weight_update(request: web.Request) -> web.Response:
+        await _json(request)
+        if state.session:
+            return _reply(False, "a weight-update session is open already: /end_weight_update closes it")
+        state.session = True
+        return _reply(True, "weight-update session opened")
+
+    async def end_weight_update(request: web.Request) -> web.Response:
+        await _json(request)
+        if not state.session:
+            return _reply(False, "no weight-update session is open: /begin_weight_update opens one")
+        state.session = False
+        return _reply(True, "weight-update session closed")
+
     async def update_weights_from_tensor(request: web.Request) -> web.Response:
+        if (refused := _outside_session(request.path)) is not None:
+            return refused
         try:
             body = await _json(request)
             entries = body.get("serialized_named_tensors")
@@ -216,6 +318,8 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
     async def update_weights_from_distributed(request: web.Request) -> web.Response:
         from .weights import receive_bucket
 
+        if (refused := _outside_session(request.path)) is not None:
+            return refused
         try:
             body = await _json(request)
             name = body.get("group_name", "weight_update_group")
@@ -246,8 +350,16 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
         return (body or {}).get("tags")
 
     async def release(request: web.Request) -> web.Response:
+        tags = await _tags(request)
+        running, waiting = _engine_load(engine, state)
+        if running or waiting or state.in_flight:
+            # SGLang asserts it is idle here and its scheduler dies; this server refuses instead
+            state.stats["release_refused_busy"] += 1
+            log.warning("refused /release_memory_occupation with %d requests running, %d waiting, %d in flight",
+                        running, waiting, state.in_flight)
+            return _error(proto.release_requires_idle, 500, retryable=False)
         try:
-            await engine.release_memory_occupation(await _tags(request))
+            await engine.release_memory_occupation(tags)
         except ValueError as e:  # unknown tags
             return _error(str(e), 400, retryable=False)
         return web.json_response(None)
@@ -281,6 +393,27 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
         info = engine.model_info() if hasattr(engine, "model_info") else {"is_generation": True}
         return web.json_response(info)
 
+    async def server_info(request: web.Request) -> web.Response:
+        contract_keys = {"version": proto.version, "startup_time": state.started, "internal_states": [{}]}
+        info = {k: contract_keys.get(k) for k in proto.server_info_keys}
+        info.update(model_path=getattr(engine, "model_path", None), tp_size=1, dp_size=1,
+                    max_running_requests=getattr(engine, "max_batch_size", None))
+        return web.json_response(info)
+
+    async def loads(request: web.Request) -> web.Response:
+        import datetime
+
+        dp_rank = request.query.get("dp_rank")
+        running, waiting = _engine_load(engine, state)
+        core: dict[str, Any] = {k: 0 for k in proto.loads_core_keys}
+        known = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                 "max_running_requests": getattr(engine, "max_batch_size", 0), "decode_moments": None}
+        core.update({k: v for k, v in known.items() if k in core})
+        rows = [core] if dp_rank in (None, "", "0") else []
+        reply = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(), "version": proto.version,
+                 "accelerator": None, "num_accelerators": 1, "loads": rows}
+        return web.json_response({k: reply.get(k) for k in proto.loads_reply_keys})
+
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
@@ -295,6 +428,13 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/model_info", model_info)
+    if proto.server_info:
+        app.router.add_get("/server_info", server_info)
+    if proto.loads:
+        app.router.add_get("/v1/loads", loads)
+    if proto.weight_update_session:  # elsewhere a missing route: 404, as in that release
+        app.router.add_post("/begin_weight_update", begin_weight_update)
+        app.router.add_post("/end_weight_update", end_weight_update)
     return app
 
 
@@ -310,13 +450,23 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def protocol(self) -> Any:
+        """The SGLangProtocol this server speaks."""
+        return _APPS[self.runner.app][0]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The refusals the server counted (see the module docstring)."""
+        return dict(_APPS[self.runner.app][1].stats)
+
     async def close(self) -> None:
         await self.runner.cleanup()
 
 
 async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, **app_kwargs: Any) -> RunningServer:
     """Serve `engine` on the running event loop; port 0 picks a free port; `app_kwargs` go
-    to `build_app` (body limits)."""
+    to `build_app` (body limits, sglang_version)."""
     from aiohttp import web
 
     runner = web.AppRunner(build_app(engine, **app_kwargs), access_log=None)
@@ -365,6 +515,16 @@ class ThreadedServer:
     def url(self) -> str:
         assert self._server is not None
         return self._server.url
+
+    @property
+    def protocol(self) -> Any:
+        assert self._server is not None
+        return self._server.protocol
+
+    @property
+    def stats(self) -> dict[str, int]:
+        assert self._server is not None
+        return self._server.stats
 
     def stop(self) -> None:
         if self._server is not None and self.loop.is_running():

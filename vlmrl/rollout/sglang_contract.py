@@ -1,14 +1,21 @@
 """SGLang's native HTTP contract, read from its source with `ast` (SGLang is never imported).
 
-`sglang_contract.json` is to SGLang's HTTP API what `sglang_flags.txt` is to its ServerArgs:
-a committed record of one SGLang release, written by scanning the wheel's source, that
-the tests hold vlmrl's client, embedded server and launcher against
-(tests/unit/test_sglang_contract.py). Regenerate both files with `make sglang-contract`, or
-this one alone with
+vlmrl speaks each SGLang release from that release's contract: `vlmrl/rollout/contracts/`
+holds one pair of files per release, `sglang-<version>.json` (written here) and
+`sglang-<version>.flags.txt` (its ServerArgs flags, `sglang_flags.py`). The tests hold vlmrl's
+client, embedded server and launcher against every contract (tests/unit/test_sglang_contract.py).
+`make sglang-contract SGLANG_VERSION=x` writes release x's pair (default: the newest there);
+this file alone, by hand:
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sg
-    python -m vlmrl.rollout.sglang contract --source /tmp/sg/sglang-0.5.23-*.whl \\
-        --out vlmrl/rollout/sglang_contract.json
+    python -m vlmrl.rollout.sglang contract --source /tmp/sg/sglang-0.5.23-*.whl
+    (written to vlmrl/rollout/contracts/sglang-0.5.23.json, the version read from the wheel)
+
+The API: `known_versions()` (oldest first), `load_contract(version)` (None: the newest;
+an unknown release raises `UnknownSGLangVersion`, a ValueError naming the known ones and the
+make command that adds one), `protocol(version)` (an `SGLangProtocol`: what the release
+offers, derived from its contract alone) and `verify_sampling_params(params, version=...)`
+(SGLang's own verdict on one request's sampling parameters, from the recorded checks).
 
 What the scan reads, and how far to trust each piece (paths are under the `sglang/`
 package; a piece that is not found raises `ContractScanError`, it never comes back empty):
@@ -29,9 +36,25 @@ package; a piece that is not found raises `ContractScanError`, it never comes ba
   `parse_field`) and `response_structs` the matching `...ReqOutput` classes.
   Robust for dataclasses, msgspec Structs and pydantic models; fields made at run time are
   not seen. Handlers that read `request.json()` by hand have no entry.
-- `sampling_params`: the arguments of `SamplingParams.__init__` in
+- `sampling_params.fields`: the arguments of `SamplingParams.__init__` in
   `srt/sampling/sampling_params.py`, or its class-level fields when it has no `__init__`
-  (a msgspec Struct since 0.5.2x; its internal fields are init arguments too).
+  (a msgspec Struct in 0.5.17 and 0.5.23; its internal fields are init arguments too).
+- `sampling_params.verify`: the checks of `SamplingParams.verify` (a method of the Struct in
+  both releases). `rules`, in source order: one per `raise ValueError(...)`, with
+  `condition` (the test of the innermost `if` around it, source text), `guards` (the enclosing
+  `{"if": test}` / `{"for": name, "in": iterable}` chain, outermost first; an `else` branch
+  is written `not (test)`), `message` (the message as written: an f-string's text with each
+  `{expression}` as in the source), `locals` (assignments of verify the rule reads, in
+  order), `parameters` (the `self.<field>`s it reads) and `where`. `post_init`: the steps of
+  `__post_init__`, which runs first (None means the default, temperature 0 becomes greedy
+  top_k 1, top_k -1 becomes "all"), nested as written; `constants`: the module constants
+  they read. Rules and steps are recorded in a small expression language (see
+  `_expressible`): a rule written outside it fails the scan; a `__post_init__` statement
+  outside it is listed under `post_init.skipped` and not replayed. Not seen: checks made by
+  helper functions verify calls (listed in `unfollowed_calls`), by `normalize()` (it only
+  refuses features that need a tokenizer when the server runs without one), and type
+  checks of the JSON schema in front of /generate. Trust: exact for what is recorded (the
+  source text itself); complete only as far as those gaps go.
 - `generate.meta_info_keys`: LEXICAL, the least robust piece. The keys written into a
   variable named `meta_info` in `srt/managers/tokenizer_manager.py`: dict literals assigned
   to it, `meta_info["k"] = ...`, `meta_info.update({...})` / `.update(k=...)`,
@@ -51,12 +74,36 @@ package; a piece that is not found raises `ContractScanError`, it never comes ba
 - `memory`: the `GPU_MEMORY_TYPE_*` constants of `srt/constants.py` (`tags`) and
   `GPU_MEMORY_ALL_TYPES` (`all_types`); `no_tags`: for `release_memory_occupation` and
   `resume_memory_occupation`, where a missing or empty `tags` is replaced
-  (`if tags is None ...: tags = X`) and what X holds.
-- `api_schema` (SGLang 0.5.2x; null when the wheel has no `api/v1/api_types.py`): the
-  generated JSON schema `/generate` bodies are checked against before the dataclass sees
-  them: each struct's fields and whether it rejects unknown keys (its `decode_<Name>`
-  raises `_unknown_field`) or ignores them. `SamplingParams` rejects them: an unknown
-  sampling key is an HTTP 400, not silently dropped.
+  (`if tags is None ...: tags = X`) and what X holds; `release_requires_idle`: the
+  `assert <condition>, "message"` of the release that defaults its tags (SGLang's scheduler
+  dies on it when a request is running). Robust: a literal assertion.
+- `api_schema` (SGLang 0.5.2x; null when the wheel has no `api/v1/api_types.py`, as in
+  0.5.17): the generated JSON schema `/generate` bodies are checked against before the
+  dataclass sees them: each struct's fields and whether it rejects unknown keys (its
+  `decode_<Name>` raises `_unknown_field`) or ignores them. `SamplingParams` rejects them: an
+  unknown sampling key is an HTTP 400, not silently dropped.
+- `loads`: `endpoint` / `server_info` (whether /v1/loads and /server_info are routes);
+  `core_keys`: the fields of `LoadSnapshot` in `srt/managers/load_snapshot.py` less those
+  named in its `_SECTION_FIELDS` literal (what /v1/loads?include=core answers per
+  data-parallel rank), `sections` those; `reply_keys`: the keys of the dict literal the
+  /v1/loads handler returns; `server_info_keys` / `server_info_version`: the string keys of
+  the dict literals /server_info's handler returns (merged `**dicts` are not seen) and
+  whether "version" is one. Robust: declarative fields and literal replies.
+- `weight_update`: `session` (both /begin_weight_update and /end_weight_update are routes)
+  and `session_required`: the routes of the methods that, in the class defining
+  begin_weight_update and end_weight_update, return early when the attribute begin sets is
+  None (the calls the release refuses outside a session); `where` names the class.
+  Moderately robust: it relies on that `if self.<attr> is None: return ...` shape.
+- `model_configs[model_type]` for `qwen3_5` and `qwen3_5_moe`: the class under
+  `srt/configs/` declaring that `model_type` with a `sub_configs` dict, and for its
+  `text_config` / `vision_config` classes (`text`, `vision`): `class`, `chain` (the class and
+  its bases inside the package), `bases_outside` (e.g. transformers' PretrainedConfig, not
+  read), `defaults` {init parameter: literal value, or {"source": text} when not a literal;
+  a subclass's default wins; `kwargs.pop/get("k", default)` counts as parameter k} and
+  `required`: attributes the chain's methods and properties read as `self.X` that no
+  `__init__` of the chain assigns and no class of it defines (e.g. `full_attention_interval`:
+  a checkpoint must carry it). Attributes PretrainedConfig itself sets would be listed too
+  (none are read in 0.5.17 / 0.5.23). Robust for plain config classes.
 
 The JSON is written with sorted keys, so regenerating from the same wheel gives no diff.
 """
@@ -64,13 +111,23 @@ The JSON is written with sorted keys, so regenerating from the same wheel gives 
 from __future__ import annotations
 
 import ast
+import functools
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sglang_flags import _sources
+from .sglang_flags import (
+    UnknownSGLangVersion,
+    _sources,
+    contract_file,
+    known_versions,
+    resolve_version,
+)
 
-CONTRACT_FILE = Path(__file__).with_name("sglang_contract.json")
+__all__ = ["ContractScanError", "SGLangProtocol", "UnknownSGLangVersion", "format_contract", "known_versions",
+           "load_contract", "parse_field", "protocol", "scan_contract", "verify_sampling_params"]
 
 # the files the scan may read (paths under sglang/ containing one of these)
 CONTRACT_SOURCES = ("srt/", "api/", "version.py")
@@ -81,6 +138,13 @@ SAMPLING_PARAMS = "srt/sampling/sampling_params.py"
 CONSTANTS = "srt/constants.py"
 SCHEDULE_BATCH = "srt/managers/schedule_batch.py"
 API_TYPES = "api/v1/api_types.py"
+LOAD_SNAPSHOT = "srt/managers/load_snapshot.py"
+CONFIGS_DIR = "srt/configs/"
+LOADS_PATH = "/v1/loads"
+SERVER_INFO_PATH = "/server_info"
+SESSION_PATHS = ("/begin_weight_update", "/end_weight_update")
+# SGLang's config classes recorded under model_configs (checkpoints are checked against them)
+MODEL_CONFIG_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 _VERBS = ("get", "post", "put", "delete", "patch", "head", "options")
 _NOT_STRUCTS = {"Request", "Response", "WebSocket", "UploadFile", "BackgroundTasks", "str", "int", "float", "bool",
@@ -226,6 +290,7 @@ def _scan_routes(pkg: _Package, rel: str, owners: set[str], prefix: str, out: di
         path = prefix + path
         out["endpoints"].setdefault(path, set()).update(methods)
         out["endpoint_handlers"].setdefault(path, set()).add(label)
+        out["_fns"].setdefault(path, (rel, fn))
         struct = _handler_struct(pkg, rel, fn)
         for m in methods:
             out["_requests"][(path, m)] = None if struct is None else struct[1].name
@@ -321,7 +386,7 @@ def _init_args(fn: ast.FunctionDef) -> dict[str, str]:
             for arg, d in [*zip(positional, defaults), *zip(a.kwonlyargs, a.kw_defaults)]}
 
 
-def _sampling_params(pkg: _Package) -> dict[str, str]:
+def _sampling_params(pkg: _Package) -> dict[str, Any]:
     cls = pkg.top(SAMPLING_PARAMS, "SamplingParams", ast.ClassDef) if SAMPLING_PARAMS in pkg.files else None
     if cls is None:
         raise ContractScanError(f"sampling params: no class SamplingParams in sglang/{SAMPLING_PARAMS}")
@@ -329,7 +394,458 @@ def _sampling_params(pkg: _Package) -> dict[str, str]:
     args = _init_args(init) if init is not None else _class_fields(pkg, SAMPLING_PARAMS, cls)
     if not args:
         raise ContractScanError(f"sampling params: SamplingParams in sglang/{SAMPLING_PARAMS} has no fields")
-    return args
+    return {"fields": args, "verify": _sampling_verify(pkg, cls, args)}
+
+
+# --------------------------------------------------------------------------- expressions
+# The small expression language the verify rules are recorded in and evaluated by
+# `verify_sampling_params`: literals, names, `self.<field>`, arithmetic, comparisons, boolean
+# logic, conditional expressions, comprehensions, subscripts, f-strings, `math.<name>` and
+# the builtins below. The scan refuses a rule written with anything else.
+_BUILTINS: dict[str, Any] = {
+    "isinstance": isinstance, "int": int, "float": float, "str": str, "bool": bool, "len": len, "sum": sum,
+    "min": min, "max": max, "abs": abs, "type": type, "list": list, "set": set, "tuple": tuple, "dict": dict,
+    "sorted": sorted, "any": any, "all": all,
+}
+_MATH = ("isfinite", "isnan", "isinf", "inf", "nan")
+_BINOPS: dict[type, Any] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+    ast.Pow: lambda a, b: a ** b, ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b,
+    ast.BitOr: lambda a, b: a | b, ast.BitAnd: lambda a, b: a & b, ast.BitXor: lambda a, b: a ^ b,
+}
+_CMPOPS: dict[type, Any] = {
+    ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+    ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b, ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+_UNARY: dict[type, Any] = {ast.Not: lambda a: not a, ast.USub: lambda a: -a, ast.UAdd: lambda a: +a,
+                           ast.Invert: lambda a: ~a}
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp)
+
+
+class _NotExpressible(Exception):
+    """A construct outside the expression language (the message says which)."""
+
+
+def _expr(text: str) -> ast.expr:
+    return ast.parse(text, mode="eval").body
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """Names an expression reads that it does not bind itself (comprehension targets)."""
+    bound: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.comprehension):
+            bound |= {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def _expressible(node: ast.AST, names: set[str]) -> None:
+    """Raise _NotExpressible unless `node` is in the expression language, reading only `names`
+    (plus the builtins, `math` and its own comprehension targets)."""
+    bound = set(names) | set(_BUILTINS) | {"math"}
+    for n in ast.walk(node):
+        if isinstance(n, ast.comprehension):
+            if not isinstance(n.target, ast.Name) or n.is_async:
+                raise _NotExpressible(f"comprehension target {ast.unparse(n.target)}")
+            bound.add(n.target.id)
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            if n.id not in bound:
+                raise _NotExpressible(f"name {n.id!r}")
+        elif isinstance(n, ast.Attribute):
+            base = _name(n.value) if isinstance(n.value, ast.Name) else None
+            if not (base == "self" or (base == "math" and n.attr in _MATH) or n.attr == "__name__"):
+                raise _NotExpressible(f"attribute {ast.unparse(n)}")
+        elif isinstance(n, ast.Call):
+            callee = n.func
+            ok = (isinstance(callee, ast.Name) and callee.id in _BUILTINS) or (
+                isinstance(callee, ast.Attribute) and _name(callee.value) == "math" and callee.attr in _MATH)
+            if not ok or any(isinstance(a, ast.Starred) for a in n.args) or any(k.arg is None for k in n.keywords):
+                raise _NotExpressible(f"call {ast.unparse(n)}")
+        elif isinstance(n, ast.BinOp) and type(n.op) not in _BINOPS:
+            raise _NotExpressible(f"operator in {ast.unparse(n)}")
+        elif isinstance(n, (ast.Lambda, ast.NamedExpr, ast.DictComp, ast.Await, ast.Yield, ast.YieldFrom,
+                            ast.Starred)):
+            raise _NotExpressible(f"{type(n).__name__} {ast.unparse(n)}")
+
+
+def _evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
+    """Evaluate an expression of the expression language (checked by `_expressible`) in env."""
+    ev = _evaluate
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id in env:
+            return env[node.id]
+        if node.id in _BUILTINS:
+            return _BUILTINS[node.id]
+        raise NameError(node.id)
+    if isinstance(node, ast.Attribute):
+        if isinstance(node.value, ast.Name) and node.value.id == "math" and "math" not in env:
+            return getattr(math, node.attr)
+        return getattr(ev(node.value, env), node.attr)
+    if isinstance(node, ast.BoolOp):
+        value: Any = None
+        for v in node.values:
+            value = ev(v, env)
+            if isinstance(node.op, ast.And) and not value:
+                return value
+            if isinstance(node.op, ast.Or) and value:
+                return value
+        return value
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY[type(node.op)](ev(node.operand, env))
+    if isinstance(node, ast.BinOp):
+        return _BINOPS[type(node.op)](ev(node.left, env), ev(node.right, env))
+    if isinstance(node, ast.Compare):
+        left = ev(node.left, env)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = ev(right_node, env)
+            if not _CMPOPS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.IfExp):
+        return ev(node.body, env) if ev(node.test, env) else ev(node.orelse, env)
+    if isinstance(node, ast.Call):
+        return ev(node.func, env)(*[ev(a, env) for a in node.args], **{k.arg: ev(k.value, env) for k in node.keywords})
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [ev(e, env) for e in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict):
+        return {ev(k, env): ev(v, env) for k, v in zip(node.keys, node.values) if k is not None}
+    if isinstance(node, ast.Subscript):
+        return ev(node.value, env)[ev(node.slice, env)]
+    if isinstance(node, ast.Slice):
+        return slice(*(None if p is None else ev(p, env) for p in (node.lower, node.upper, node.step)))
+    if isinstance(node, _COMPREHENSIONS):
+        out = _comprehend(node.elt, node.generators, env)
+        return set(out) if isinstance(node, ast.SetComp) else out
+    if isinstance(node, ast.JoinedStr):
+        return "".join(ev(v, env) if isinstance(v, ast.FormattedValue) else str(v.value) for v in node.values)
+    if isinstance(node, ast.FormattedValue):
+        value = ev(node.value, env)
+        value = {115: str, 114: repr, 97: ascii}.get(node.conversion, lambda x: x)(value)
+        return format(value, ev(node.format_spec, env) if node.format_spec is not None else "")
+    raise _NotExpressible(f"{type(node).__name__} {ast.unparse(node)}")
+
+
+def _comprehend(elt: ast.expr, generators: list[ast.comprehension], env: dict[str, Any]) -> list[Any]:
+    if not generators:
+        return [_evaluate(elt, env)]
+    g, out = generators[0], []
+    for item in _evaluate(g.iter, env):
+        inner = {**env, g.target.id: item}  # type: ignore[attr-defined]
+        if all(_evaluate(c, inner) for c in g.ifs):
+            out += _comprehend(elt, generators[1:], inner)
+    return out
+
+
+def _template(node: ast.expr) -> str:
+    """A raise's message as written: the f-string's text with each `{expression}` as in the
+    source, or the string itself (braces doubled). `_message_node` turns it back."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.replace("{", "{{").replace("}", "}}")
+    if not isinstance(node, ast.JoinedStr):
+        raise _NotExpressible(f"message {ast.unparse(node)} is not a string")
+    parts = []
+    for v in node.values:
+        if isinstance(v, ast.Constant):
+            parts.append(str(v.value).replace("{", "{{").replace("}", "}}"))
+            continue
+        assert isinstance(v, ast.FormattedValue)
+        text = "{" + ast.unparse(v.value)
+        if v.conversion != -1:
+            text += "!" + chr(v.conversion)
+        if v.format_spec is not None:
+            text += ":" + _template(v.format_spec)
+        parts.append(text + "}")
+    return "".join(parts)
+
+
+def _message_node(template: str) -> ast.expr:
+    return _expr("f" + repr(template))
+
+
+# --------------------------------------------------------------------------- SamplingParams.verify
+def _module_constants(tree: ast.Module) -> dict[str, ast.expr]:
+    out: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            out[node.target.id] = node.value
+    return out
+
+
+def _self_attrs(node: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and _name(n.value) == "self"
+            and isinstance(n.value, ast.Name)}
+
+
+def _sampling_verify(pkg: _Package, cls: ast.ClassDef, fields: dict[str, str]) -> dict[str, Any]:
+    """The checks of `SamplingParams.verify`: one rule per `raise ValueError(...)`, with the
+    `if` / `for` chain around it, and the `__post_init__` steps that run before it."""
+    rel = SAMPLING_PARAMS
+    methods = {b.name: b for b in cls.body if isinstance(b, ast.FunctionDef)}
+    verify = methods.get("verify")
+    if verify is None:
+        raise ContractScanError(f"sampling verify: SamplingParams in sglang/{rel} has no method `verify`")
+    arguments = [a.arg for a in [*verify.args.posonlyargs, *verify.args.args][1:] + verify.args.kwonlyargs]
+    module = _module_constants(pkg.tree(rel, "sampling verify"))
+    defined: dict[str, str] = {}  # locals of verify, as assigned (the last assignment wins)
+    rules: list[dict[str, Any]] = []
+    calls: list[str] = []
+
+    def walk(stmts: list[ast.stmt], chain: list[dict[str, str]]) -> None:
+        for st in stmts:
+            if isinstance(st, ast.If):
+                test = ast.unparse(st.test)
+                walk(st.body, [*chain, {"if": test}])
+                walk(st.orelse, [*chain, {"if": f"not ({test})"}])
+            elif isinstance(st, ast.For) and isinstance(st.target, ast.Name):
+                walk(st.body, [*chain, {"for": st.target.id, "in": ast.unparse(st.iter)}])
+            elif isinstance(st, (ast.With, ast.Try)):
+                walk(st.body, chain)
+            elif isinstance(st, ast.Raise) and isinstance(st.exc, ast.Call) and _name(st.exc.func) == "ValueError":
+                rules.append(rule(st, chain))
+            elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+                defined[st.targets[0].id] = ast.unparse(st.value)
+            elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call):
+                calls.append(f"{_where(rel, st)} {ast.unparse(st.value)}")
+
+    def rule(st: ast.Raise, chain: list[dict[str, str]]) -> dict[str, Any]:
+        where = _where(rel, st)
+        guards, condition = (chain[:-1], chain[-1]["if"]) if chain and "if" in chain[-1] else (chain, "True")
+        exc = st.exc
+        assert isinstance(exc, ast.Call)
+        if not exc.args:
+            raise ContractScanError(f"sampling verify: the ValueError raised at sglang/{where} has no message")
+        try:
+            message = _template(exc.args[0])
+            if ast.dump(_message_node(message)) != ast.dump(exc.args[0] if isinstance(exc.args[0], ast.JoinedStr)
+                                                           else _message_node(message)):
+                raise _NotExpressible(f"message {ast.unparse(exc.args[0])} does not survive as text")
+        except (_NotExpressible, SyntaxError) as e:
+            raise ContractScanError(f"sampling verify: the rule at sglang/{where}: {e}") from e
+        loop_vars = {g["for"] for g in chain if "for" in g}
+        texts = [g.get("if") or g["in"] for g in guards] + [condition, message]
+        nodes = [_expr(t) for t in texts[:-1]] + [_message_node(message)]
+        used = set().union(*(_free_names(n) for n in nodes))
+        local_names = _closure(used & set(defined), {k: _expr(v) for k, v in defined.items()})
+        order = [k for k in defined if k in local_names]
+        try:
+            for n in nodes + [_expr(defined[k]) for k in order]:
+                _expressible(n, {"self", *arguments, *loop_vars, *defined, *module})
+        except _NotExpressible as e:
+            raise ContractScanError(f"sampling verify: the rule at sglang/{where} uses a {e}, which vlmrl's "
+                                    "evaluator does not know; extend the expression language in "
+                                    "vlmrl/rollout/sglang_contract.py") from e
+        params = set().union(*(_self_attrs(n) for n in nodes[:-1] + [_expr(defined[k]) for k in order]))
+        return {"condition": condition, "guards": guards, "message": message, "where": where,
+                "parameters": sorted(params), "locals": [[k, defined[k]] for k in order]}
+
+    walk(verify.body, [])
+    if not rules:
+        raise ContractScanError(f"sampling verify: SamplingParams.verify in sglang/{rel} raises no ValueError")
+    post = _post_init(methods.get("__post_init__"), module, rel)
+    # module constants the rules, the post-init steps and the field defaults read (and theirs)
+    texts = [t for r in rules for t in [r["condition"], *(g.get("if") or g["in"] for g in r["guards"]),
+                                          *(v for _, v in r["locals"])]]
+    texts += _step_texts(post["steps"])
+    defaults = [d for spec in fields.values() if (d := parse_field(spec)[2]) is not None]
+    used = set().union(*(_free_names(_message_node(r["message"])) for r in rules))
+    for t in texts + defaults:
+        try:
+            used |= _free_names(_expr(t))
+        except SyntaxError:  # a default written in a way an expression cannot hold
+            continue
+    names = _closure(used & set(module), module)
+    constants = []
+    for k in module:
+        if k in names:
+            try:
+                _expressible(module[k], set(module))
+            except _NotExpressible:
+                continue  # what reads it cannot be evaluated (a field default then stays None)
+            constants.append([k, ast.unparse(module[k])])
+    return {"where": f"{rel}:SamplingParams.verify", "arguments": arguments, "rules": rules,
+            "unfollowed_calls": calls, "post_init": post, "constants": constants}
+
+
+def _closure(names: set[str], defs: dict[str, ast.expr]) -> set[str]:
+    """`names` and every name of `defs` their definitions read, transitively."""
+    out, todo = set(), list(names)
+    while todo:
+        k = todo.pop()
+        if k in out or k not in defs:
+            continue
+        out.add(k)
+        todo += list(_free_names(defs[k]))
+    return out
+
+
+def _post_init(fn: ast.FunctionDef | None, module: dict[str, ast.expr], rel: str) -> dict[str, Any]:
+    """`__post_init__` as nested steps: `{"set": target, "value": expr}`, `{"return": true}`,
+    `{"if": test, "then": [...], "else": [...]}`; statements outside the expression language
+    are listed under "skipped" (and not run by `verify_sampling_params`)."""
+    skipped: list[str] = []
+    local_names: set[str] = set()
+
+    def ok(node: ast.AST) -> bool:
+        try:
+            _expressible(node, {"self", *module, *local_names})
+        except _NotExpressible:
+            return False
+        return True
+
+    def walk(stmts: list[ast.stmt]) -> list[dict[str, Any]]:
+        steps: list[dict[str, Any]] = []
+        for st in stmts:
+            if isinstance(st, ast.If) and ok(st.test):
+                steps.append({"if": ast.unparse(st.test), "then": walk(st.body), "else": walk(st.orelse)})
+            elif isinstance(st, ast.Return) and st.value is None:
+                steps.append({"return": True})
+            elif (isinstance(st, ast.Assign) and len(st.targets) == 1 and ok(st.value)
+                  and (isinstance(st.targets[0], ast.Name) or (isinstance(st.targets[0], ast.Attribute)
+                                                               and _name(st.targets[0].value) == "self"))):
+                target = st.targets[0]
+                if isinstance(target, ast.Name):
+                    local_names.add(target.id)
+                steps.append({"set": ast.unparse(target), "value": ast.unparse(st.value)})
+            elif not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):  # docstrings aside
+                skipped.append(f"{_where(rel, st)} {ast.unparse(st).splitlines()[0]}")
+        return steps
+
+    return {"steps": walk(fn.body) if fn is not None else [], "skipped": skipped}
+
+
+def _step_texts(steps: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    for s in steps:
+        if "if" in s:
+            out += [s["if"], *_step_texts(s["then"]), *_step_texts(s["else"])]
+        elif "value" in s:
+            out.append(s["value"])
+    return out
+
+
+class _Return(Exception):
+    """`return` inside __post_init__'s steps."""
+
+
+def _run_steps(steps: list[tuple], obj: Any, env: dict[str, Any]) -> None:
+    for kind, a, b, c in steps:
+        if kind == "if":
+            _run_steps(b if _evaluate(a, env) else c, obj, env)
+        elif kind == "return":
+            raise _Return
+        else:
+            value = _evaluate(b, env)
+            if a.startswith("self."):
+                setattr(obj, a[len("self."):], value)
+            else:
+                env[a] = value
+
+
+def _compile_steps(steps: list[dict[str, Any]]) -> list[tuple]:
+    out: list[tuple] = []
+    for s in steps:
+        if "if" in s:
+            out.append(("if", _expr(s["if"]), _compile_steps(s["then"]), _compile_steps(s["else"])))
+        elif s.get("return"):
+            out.append(("return", None, None, None))
+        else:
+            out.append(("set", s["set"], _expr(s["value"]), None))
+    return out
+
+
+@functools.cache
+def _verifier(version: str) -> _Verifier:
+    return _Verifier(load_contract(version)["sampling_params"])
+
+
+class _Verifier:
+    """SamplingParams of one SGLang release, as its contract records them: field defaults,
+    `__post_init__` steps, then the verify rules in order."""
+
+    def __init__(self, sp: dict[str, Any]) -> None:
+        v = sp["verify"]
+        self.constants: dict[str, Any] = {}
+        for name, text in v["constants"]:
+            try:
+                self.constants[name] = _evaluate(_expr(text), self.constants)
+            except Exception:  # noqa: BLE001 (a constant that needs more than the expression language)
+                continue
+        self.defaults: dict[str, Any] = {}
+        for name, spec in sp["fields"].items():
+            default = parse_field(spec)[2]
+            try:
+                self.defaults[name] = None if default is None else _evaluate(_expr(default), self.constants)
+            except Exception:  # noqa: BLE001
+                self.defaults[name] = None
+        self.steps = _compile_steps(v["post_init"]["steps"])
+        self.arguments = tuple(v["arguments"])
+        self.rules = []
+        for r in v["rules"]:
+            guards = [(g["for"], _expr(g["in"])) if "for" in g else (None, _expr(g["if"])) for g in r["guards"]]
+            condition, message = _expr(r["condition"]), _message_node(r["message"])
+            local_defs = [(k, _expr(t)) for k, t in r["locals"]]
+            nodes = [n for _, n in guards] + [condition, message] + [n for _, n in local_defs]
+            reads = frozenset(a for a in self.arguments if any(a in _free_names(n) for n in nodes))
+            self.rules.append((r, guards, condition, message, local_defs, reads))
+
+    def check(self, params: dict[str, Any], arguments: dict[str, Any]) -> str | None:
+        import types
+
+        fields = {**self.defaults, **params}
+        obj = types.SimpleNamespace(**fields)
+        env: dict[str, Any] = {**self.constants, "self": obj}
+        try:
+            _run_steps(self.steps, obj, env)
+        except _Return:
+            pass
+        except Exception as e:  # noqa: BLE001
+            return f"invalid sampling parameters {sorted(params)}: {type(e).__name__}: {e}"
+        base = {**self.constants, "self": obj, **arguments}
+        for rule, guards, condition, message, local_defs, reads in self.rules:
+            if any(arguments.get(a) is None for a in reads):
+                continue  # e.g. the vocabulary size, when the caller does not know it
+            try:
+                env = dict(base)
+                for k, node in local_defs:
+                    env[k] = _evaluate(node, env)
+                hit = self._hit(guards, condition, env)
+                if hit is not None:
+                    return str(_evaluate(message, hit))
+            except Exception as e:  # noqa: BLE001 (a value of the wrong type: SGLang fails on it too)
+                return (f"invalid sampling parameters {rule['parameters']}: {type(e).__name__}: {e} "
+                        f"(checking `{rule['condition']}`)")
+        return None
+
+    def _hit(self, guards: list[tuple[str | None, ast.expr]], condition: ast.expr,
+             env: dict[str, Any]) -> dict[str, Any] | None:
+        if not guards:
+            return env if _evaluate(condition, env) else None
+        (var, node), rest = guards[0], guards[1:]
+        if var is None:
+            return self._hit(rest, condition, env) if _evaluate(node, env) else None
+        for item in _evaluate(node, env):
+            if (hit := self._hit(rest, condition, {**env, var: item})) is not None:
+                return hit
+        return None
+
+
+def verify_sampling_params(params: dict[str, Any], *, version: str | None = None,
+                           vocab_size: int | None = None) -> str | None:
+    """SGLang's own message for the first check of `SamplingParams.verify` that `params` (one
+    request's sampling_params object) fail in release `version` (None: the newest known), after
+    that release's field defaults and `__post_init__`, or None when they pass. A check that
+    reads `vocab_size` passes when it is None."""
+    return _verifier(resolve_version(version)).check(dict(params or {}), {"vocab_size": vocab_size})
 
 
 # --------------------------------------------------------------------------- generate replies
@@ -503,7 +1019,224 @@ def _memory(pkg: _Package) -> dict[str, Any]:
     if missing:
         raise ContractScanError(f"memory tags: found no `if tags is None ...: tags = ...` in {missing} anywhere "
                                 "in sglang/srt; find where a call without tags is defaulted and update the scanner")
-    return {"all_types": all_types, "no_tags": no_tags, "tags": consts}
+    # the release's precondition: `assert <idle>, "message"` where the release is carried out
+    idle = None
+    for rel in sorted({site["where"].rsplit(":", 1)[0] for site in no_tags["release_memory_occupation"]}):
+        for fn in ast.walk(pkg.tree(rel, "memory release")):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == "release_memory_occupation":
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Assert) and (msg := _str(node.msg)) is not None and idle is None:
+                        idle = {"condition": ast.unparse(node.test), "message": msg, "where": _where(rel, node)}
+    if idle is None:
+        raise ContractScanError("memory release: no `assert ..., \"message\"` in the release_memory_occupation "
+                                "that defaults its tags; find what SGLang requires before a release")
+    return {"all_types": all_types, "no_tags": no_tags, "release_requires_idle": idle, "tags": consts}
+
+
+# --------------------------------------------------------------------------- loads, server info
+def _returned_dict_keys(fn: ast.AST) -> set[str]:
+    """String keys of the dict literals a handler returns (directly or wrapped in a call)."""
+    keys: set[str] = set()
+    for ret in (n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None):
+        for node in ast.walk(ret.value):
+            keys |= _dict_keys(node)
+    return keys
+
+
+def _loads(pkg: _Package, routes: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"endpoint": LOADS_PATH in routes["endpoints"],
+                           "server_info": SERVER_INFO_PATH in routes["endpoints"]}
+    if out["endpoint"]:
+        if LOAD_SNAPSHOT not in pkg.files:
+            raise ContractScanError(f"loads: {LOADS_PATH} is served but sglang/{LOAD_SNAPSHOT} is not in the source")
+        cls = pkg.top(LOAD_SNAPSHOT, "LoadSnapshot", ast.ClassDef)
+        if cls is None:
+            raise ContractScanError(f"loads: no class LoadSnapshot in sglang/{LOAD_SNAPSHOT}")
+        fields = [b.target.id for b in cls.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)
+                  and not ast.unparse(b.annotation).startswith(("ClassVar", "typing.ClassVar"))]
+        sections = _module_constants(pkg.tree(LOAD_SNAPSHOT, "loads")).get("_SECTION_FIELDS")
+        try:  # frozenset({...}) of the sub-sections; every other field is a core key
+            if isinstance(sections, ast.Call) and _name(sections.func) in ("frozenset", "set"):
+                names = ast.literal_eval(sections.args[0]) if sections.args else ()
+            else:
+                names = ast.literal_eval(sections)
+        except (ValueError, AttributeError, IndexError) as e:
+            raise ContractScanError(f"loads: no literal `_SECTION_FIELDS = frozenset({{...}})` in "
+                                    f"sglang/{LOAD_SNAPSHOT}; find how the core keys are told from the sections") from e
+        out["core_keys"] = [f for f in fields if f not in set(names)]
+        out["sections"] = sorted(set(names))
+        if not {"num_running_reqs", "num_waiting_reqs"} <= set(out["core_keys"]):
+            raise ContractScanError(f"loads: LoadSnapshot in sglang/{LOAD_SNAPSHOT} has no num_running_reqs / "
+                                    f"num_waiting_reqs (core keys found: {out['core_keys']})")
+        rel, fn = routes["_fns"][LOADS_PATH]
+        out["reply_keys"] = sorted(_returned_dict_keys(fn))
+        if "loads" not in out["reply_keys"]:
+            raise ContractScanError(f"loads: the handler of {LOADS_PATH} ({_where(rel, fn)}) returns no dict "
+                                    "literal with 'loads'")
+    else:
+        out["core_keys"] = out["sections"] = out["reply_keys"] = None
+    if out["server_info"]:
+        rel, fn = routes["_fns"][SERVER_INFO_PATH]
+        keys = _returned_dict_keys(fn)
+        if not keys:
+            raise ContractScanError(f"server info: the handler of {SERVER_INFO_PATH} ({_where(rel, fn)}) returns "
+                                    "no dict literal")
+        out["server_info_keys"] = sorted(keys)
+        out["server_info_version"] = "version" in keys
+    else:
+        out["server_info_keys"], out["server_info_version"] = None, False
+    return out
+
+
+# --------------------------------------------------------------------------- weight-update sessions
+def _weight_update(pkg: _Package, endpoints: dict[str, Any]) -> dict[str, Any]:
+    """Whether the release has weight-update sessions (both endpoints), and which calls of the
+    class that opens them refuse to run outside one: methods whose body tests the attribute
+    `begin_weight_update` sets (`if self.<attr> is None: return ...`)."""
+    session = all(p in endpoints for p in SESSION_PATHS)
+    out: dict[str, Any] = {"session": session, "session_required": [], "where": None}
+    if not session:
+        return out
+    for rel in sorted(r for r, text in pkg.files.items() if "def begin_weight_update(" in text
+                      and "def end_weight_update(" in text):
+        for cls in (n for n in ast.walk(pkg.tree(rel, "weight update")) if isinstance(n, ast.ClassDef)):
+            methods = {b.name: b for b in cls.body if isinstance(b, ast.FunctionDef)}
+            begin = methods.get("begin_weight_update")
+            if begin is None or "end_weight_update" not in methods:
+                continue
+            state = {t.attr for n in ast.walk(begin) if isinstance(n, ast.Assign) for t in n.targets
+                     if isinstance(t, ast.Attribute) and _name(t.value) == "self"}
+            required = []
+            for name, fn in methods.items():
+                if name in ("begin_weight_update", "end_weight_update"):
+                    continue
+                for node in ast.walk(fn):
+                    if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                            and isinstance(node.test.ops[0], ast.Is) and _name(node.test.left) in state
+                            and isinstance(node.test.left, ast.Attribute) and _name(node.test.left.value) == "self"
+                            and any(isinstance(s, (ast.Return, ast.Raise)) for s in node.body)):
+                        required.append(name)
+                        break
+            if state:
+                out["session_required"] = sorted("/" + n for n in required if "/" + n in endpoints)
+                out["where"] = f"{rel}:{cls.name}"
+                return out
+    raise ContractScanError(f"weight update: {' and '.join(SESSION_PATHS)} are served but no class in sglang/srt "
+                            "defines begin_weight_update and end_weight_update with a session attribute")
+
+
+# --------------------------------------------------------------------------- model configs
+def _class_attr(cls: ast.ClassDef, name: str) -> ast.expr | None:
+    for b in cls.body:
+        if isinstance(b, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in b.targets):
+            return b.value
+    return None
+
+
+def _chain(pkg: _Package, rel: str, cls: ast.ClassDef) -> tuple[list[tuple[str, ast.ClassDef]], list[str]]:
+    """The class and its bases inside the package, most derived first (depth first, each once),
+    and the names of the bases outside it."""
+    chain: list[tuple[str, ast.ClassDef]] = []
+    outside: list[str] = []
+
+    def visit(r: str, c: ast.ClassDef) -> None:
+        if any(c is seen for _, seen in chain):
+            return
+        chain.append((r, c))
+        for base in c.bases:
+            name = _name(base)
+            found = pkg.resolve_class(r, name) if name else None
+            if found is not None:
+                visit(*found)
+            elif name and name not in outside:
+                outside.append(name)
+
+    visit(rel, cls)
+    return chain, outside
+
+
+def _literal_or_source(node: ast.expr) -> Any:
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return {"source": ast.unparse(node)}
+
+
+def _config_class(pkg: _Package, rel: str, cls: ast.ClassDef) -> dict[str, Any]:
+    chain, outside = _chain(pkg, rel, cls)
+    inits = [(r, c, next((b for b in c.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None))
+             for r, c in chain]
+    if not any(fn is not None for _, _, fn in inits):
+        raise ContractScanError(f"model configs: no __init__ in {cls.name} or its bases in sglang/")
+    defaults: dict[str, Any] = {}
+    assigned: set[str] = set()
+    defined: set[str] = set()
+    reads: set[str] = set()
+    for _, c, fn in reversed(inits):  # bases first: a subclass's default wins
+        defined |= {b.name for b in c.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        defined |= {t.id for b in c.body if isinstance(b, ast.Assign) for t in b.targets if isinstance(t, ast.Name)}
+        defined |= {b.target.id for b in c.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)}
+        for method in (b for b in c.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            reads |= {n.attr for n in ast.walk(method) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+                      and isinstance(n.value, ast.Name) and n.value.id == "self"}
+        if fn is None:
+            continue
+        a = fn.args
+        positional = [*a.posonlyargs, *a.args][1:]
+        pos_defaults: list[ast.expr | None] = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+        for arg, d in [*zip(positional, pos_defaults), *zip(a.kwonlyargs, a.kw_defaults)]:
+            if d is not None:
+                defaults[arg.arg] = _literal_or_source(d)
+        kwargs = a.kwarg.arg if a.kwarg else None
+        for n in ast.walk(fn):
+            # kwargs.pop("k", default) / kwargs.get("k", default): a keyword the class reads by hand
+            if (kwargs and isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                    and n.func.attr in ("pop", "get") and _name(n.func.value) == kwargs and len(n.args) == 2
+                    and (k := _str(n.args[0])) is not None and k not in defaults):
+                defaults[k] = _literal_or_source(n.args[1])
+            targets = n.targets if isinstance(n, ast.Assign) else (
+                [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else [])
+            for t in targets:
+                for e in ast.walk(t):
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                        assigned.add(e.attr)
+            if (isinstance(n, ast.Call) and _name(n.func) == "setattr" and len(n.args) >= 2
+                    and _name(n.args[0]) == "self" and (k := _str(n.args[1])) is not None):
+                assigned.add(k)
+    return {"class": cls.name, "chain": [f"{r}:{c.name}" for r, c in chain], "bases_outside": outside,
+            "defaults": defaults, "required": sorted(reads - assigned - defined)}
+
+
+def _model_configs(pkg: _Package) -> dict[str, Any]:
+    configs = sorted(r for r in pkg.files if r.startswith(CONFIGS_DIR))
+    out: dict[str, Any] = {}
+    for model_type in MODEL_CONFIG_TYPES:
+        found = None
+        for rel in configs:
+            for cls in pkg.tree(rel, "model configs").body:
+                if (isinstance(cls, ast.ClassDef) and _str(_class_attr(cls, "model_type")) == model_type
+                        and isinstance(_class_attr(cls, "sub_configs"), ast.Dict)):
+                    found = (rel, cls)
+                    break
+            if found:
+                break
+        if found is None:
+            raise ContractScanError(f"model configs: no class with model_type = {model_type!r} and a sub_configs "
+                                    f"dict under sglang/{CONFIGS_DIR}")
+        rel, top = found
+        subs = _class_attr(top, "sub_configs")
+        assert isinstance(subs, ast.Dict)
+        by_key = {_str(k): v for k, v in zip(subs.keys, subs.values)}
+        entry: dict[str, Any] = {"class": top.name, "where": f"{rel}:{top.name}"}
+        for role, key in (("text", "text_config"), ("vision", "vision_config")):
+            name = _name(by_key[key]) if key in by_key else None
+            sub = pkg.resolve_class(rel, name) if name else None
+            if sub is None:
+                raise ContractScanError(f"model configs: {top.name}.sub_configs in sglang/{rel} has no {key!r} "
+                                        "class of the sglang package")
+            entry[role] = _config_class(pkg, *sub)
+        out[model_type] = entry
+    return out
 
 
 # --------------------------------------------------------------------------- JSON schema
@@ -540,7 +1273,7 @@ def scan_contract(source: str | Path) -> dict[str, Any]:
     if not owners:
         raise ContractScanError(f"routes: no `app = FastAPI(...)` in sglang/{HTTP_SERVER}")
     routes: dict[str, Any] = {"endpoints": {}, "endpoint_handlers": {}, "_requests": {}, "_structs": {},
-                              "unresolved_routes": []}
+                              "_fns": {}, "unresolved_routes": []}
     _scan_routes(pkg, HTTP_SERVER, owners, "", routes)
     # path -> struct when all its methods take the same one, else "METHOD path" -> struct
     routes["endpoint_requests"] = {}
@@ -563,7 +1296,7 @@ def scan_contract(source: str | Path) -> dict[str, Any]:
     return {
         "about": "SGLang's native HTTP contract read from its source with ast by vlmrl/rollout/sglang_contract.py "
                  "(its docstring says what each key holds and how robust it is); regenerate with "
-                 "`make sglang-contract`.",
+                 f"`make sglang-contract SGLANG_VERSION={version}`.",
         "sglang_version": version,
         "endpoints": {p: sorted(m) for p, m in routes["endpoints"].items()},
         "endpoint_handlers": {p: sorted(h) for p, h in routes["endpoint_handlers"].items()},
@@ -575,6 +1308,9 @@ def scan_contract(source: str | Path) -> dict[str, Any]:
         "generate": _generate_reply(pkg),
         "memory": _memory(pkg),
         "api_schema": _api_schema(pkg),
+        "loads": _loads(pkg, routes),
+        "weight_update": _weight_update(pkg, routes["endpoints"]),
+        "model_configs": _model_configs(pkg),
     }
 
 
@@ -583,5 +1319,55 @@ def format_contract(contract: dict[str, Any], command: str) -> str:
     return json.dumps({**contract, "generated_by": command}, indent=1, sort_keys=True) + "\n"
 
 
-def load_contract(path: str | Path = CONTRACT_FILE) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+def load_contract(version: str | None = None) -> dict[str, Any]:
+    """The contract of SGLang `version` (None: the newest vlmrl has; an unknown one raises
+    UnknownSGLangVersion naming the known ones and the command that adds one)."""
+    return _load(resolve_version(version))
+
+
+@functools.cache
+def _load_text(version: str) -> str:
+    return contract_file(version).read_text()
+
+
+def _load(version: str) -> dict[str, Any]:
+    return json.loads(_load_text(version))
+
+
+@dataclass(frozen=True)
+class SGLangProtocol:
+    """What one SGLang release's HTTP protocol offers, derived from its contract alone."""
+
+    version: str
+    weight_update_session: bool  # /begin_weight_update and /end_weight_update exist
+    session_required: frozenset[str]  # the calls such a release refuses outside a session
+    loads: bool  # /v1/loads exists
+    loads_core_keys: tuple[str, ...]  # the per-rank keys of its reply (include=core)
+    loads_reply_keys: tuple[str, ...]  # the keys of its reply
+    server_info: bool  # /server_info exists
+    server_info_version: bool  # ... and its reply carries "version"
+    server_info_keys: tuple[str, ...]  # the literal keys of its reply
+    release_requires_idle: str  # what SGLang asserts before releasing memory (its message)
+
+
+def protocol(version: str | None = None) -> SGLangProtocol:
+    """The protocol of SGLang `version` (None: the newest vlmrl has a contract for)."""
+    return _protocol(resolve_version(version))
+
+
+@functools.cache
+def _protocol(version: str) -> SGLangProtocol:
+    c = _load(version)
+    endpoints, loads, update = c["endpoints"], c["loads"], c["weight_update"]
+    return SGLangProtocol(
+        version=c["sglang_version"],
+        weight_update_session=all(p in endpoints for p in SESSION_PATHS),
+        session_required=frozenset(update["session_required"]),
+        loads=LOADS_PATH in endpoints,
+        loads_core_keys=tuple(loads["core_keys"] or ()),
+        loads_reply_keys=tuple(loads["reply_keys"] or ()),
+        server_info=SERVER_INFO_PATH in endpoints,
+        server_info_version=bool(loads["server_info_version"]),
+        server_info_keys=tuple(loads["server_info_keys"] or ()),
+        release_requires_idle=c["memory"]["release_requires_idle"]["message"],
+    )

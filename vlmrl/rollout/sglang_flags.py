@@ -1,24 +1,87 @@
 """SGLang's ServerArgs fields, read from its source with `ast` (SGLang is never imported).
 
-`sglang_flags.txt` is the committed list of the fields of one SGLang release; this module
-writes it by scanning the wheel's `srt/server_args.py` and reads it back so that vlmrl's
-launcher checks every flag it passes (a typo fails before any GPU is touched):
+vlmrl keeps one pair of files per SGLang release it speaks, in `vlmrl/rollout/contracts/`:
+`sglang-<version>.flags.txt` (the fields of that release's ServerArgs and their command-line
+flags, written by this module) and `sglang-<version>.json` (its HTTP contract, written by
+`sglang_contract.py`). This module also owns the list of those releases (`known_versions`)
+and reads a flag list back (`load_flags`), so that vlmrl's launcher checks every flag it
+passes (a typo fails before any GPU is touched). `make sglang-contract SGLANG_VERSION=x`
+writes both files of release x; by hand:
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sg
-    python -m vlmrl.rollout.sglang flags --source /tmp/sg/sglang-0.5.23-*.whl \\
-        --out vlmrl/rollout/sglang_flags.txt
+    python -m vlmrl.rollout.sglang flags --source /tmp/sg/sglang-0.5.23-*.whl
+    (written to vlmrl/rollout/contracts/sglang-0.5.23.flags.txt, the version read from the wheel)
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FLAGS_FILE = Path(__file__).with_name("sglang_flags.txt")
+CONTRACTS_DIR = Path(__file__).with_name("contracts")
+_CONTRACT_SUFFIX = ".json"
+_FLAGS_SUFFIX = ".flags.txt"
+
+
+class UnknownSGLangVersion(ValueError):
+    """vlmrl has no contract for this SGLang release."""
+
+    def __init__(self, version: str, known: tuple[str, ...]) -> None:
+        super().__init__(
+            f"vlmrl has no contract for SGLang {version} (it has contracts for {', '.join(known) or 'none'}, in "
+            f"vlmrl/rollout/contracts); generate one with `make sglang-contract SGLANG_VERSION={version}`")
+        self.version = version
+        self.known = known
+
+
+def _version_key(version: str) -> tuple:
+    """Release order: numeric parts as numbers (0.5.9 < 0.5.17), a pre-release suffix
+    (0.5.24rc1) before the release itself."""
+    parts = re.split(r"[.+-]", version)
+    key: list[tuple[int, int, str]] = []
+    for p in parts:
+        m = re.fullmatch(r"(\d+)(.*)", p)
+        if m:
+            key.append((int(m.group(1)), 0 if m.group(2) else 1, m.group(2)))
+        else:
+            key.append((-1, 0, p))
+    return tuple(key)
+
+
+def known_versions() -> tuple[str, ...]:
+    """The SGLang releases vlmrl has a contract and a flag list for, oldest first."""
+    found = {p.name[len("sglang-"):-len(_CONTRACT_SUFFIX)] for p in CONTRACTS_DIR.glob("sglang-*" + _CONTRACT_SUFFIX)}
+    both = [v for v in found if (CONTRACTS_DIR / f"sglang-{v}{_FLAGS_SUFFIX}").is_file()]
+    return tuple(sorted(both, key=_version_key))
+
+
+def resolve_version(version: str | None = None) -> str:
+    """`version` when vlmrl has its contract, the newest known when None; else
+    UnknownSGLangVersion naming the known ones and the command that adds one."""
+    known = known_versions()
+    if version is None:
+        if not known:
+            raise UnknownSGLangVersion("(any)", known)
+        return known[-1]
+    version = str(version)
+    if version not in known:
+        raise UnknownSGLangVersion(version, known)
+    return version
+
+
+def contract_file(version: str) -> Path:
+    """Where the contract of SGLang `version` is written (it may not exist yet)."""
+    return CONTRACTS_DIR / f"sglang-{version}{_CONTRACT_SUFFIX}"
+
+
+def flags_file(version: str) -> Path:
+    """Where the flag list of SGLang `version` is written (it may not exist yet)."""
+    return CONTRACTS_DIR / f"sglang-{version}{_FLAGS_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -66,7 +129,7 @@ class SGLangFlags:
         info = self.check(name)
         if info.choices and isinstance(value, str) and value not in info.choices:
             raise ValueError(f"SGLang {self.version}: {name}={value!r} is not one of {list(info.choices)} "
-                             f"(see {FLAGS_FILE.name})")
+                             f"(see {flags_file(self.version).name})")
         return info
 
     def cli_flags(self) -> set[str]:
@@ -80,10 +143,16 @@ class UnknownSGLangArg(KeyError):
     def __init__(self, name: str, flags: SGLangFlags, reason: str = "is not a ServerArgs field") -> None:
         close = difflib.get_close_matches(name, list(flags.fields), n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        super().__init__(f"SGLang {flags.version}: {name!r} {reason}{hint} (see {FLAGS_FILE.name})")
+        super().__init__(f"SGLang {flags.version}: {name!r} {reason}{hint} (see {flags_file(flags.version).name})")
 
 
-def load_flags(path: str | Path = FLAGS_FILE) -> SGLangFlags:
+def load_flags(version: str | Path | None = None) -> SGLangFlags:
+    """The flag list of SGLang `version` (None: the newest vlmrl knows; an unknown one raises
+    UnknownSGLangVersion). A Path (or a string naming a `.txt` file) reads that file instead."""
+    if isinstance(version, Path) or (isinstance(version, str) and version.endswith(".txt")):
+        path = Path(version)
+    else:
+        path = flags_file(resolve_version(version))
     version = "unknown"
     fields: dict[str, FlagInfo] = {}
     extra: set[str] = set()
@@ -169,18 +238,19 @@ def _kind_of(annotation: ast.expr, arg: dict[str, Any]) -> str:
 
 
 def _arg_meta(annotation: ast.expr) -> tuple[ast.expr, dict[str, Any]] | None:
-    """For `A[T, Arg(...)]` or `A[T, "help"]`: (T, Arg keywords); None for other fields."""
+    """For `A[T, ...]` / `Annotated[T, ...]`: (T, Arg keywords) from the first `Arg(...)` or help
+    string among the metadata (other markers, e.g. a namespace, are passed over); None for a
+    field with neither (SGLang gives it no flag of its own)."""
     if not (isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name)
             and annotation.value.id in ("A", "Annotated")):
         return None
     elts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
-    if len(elts) < 2:
-        return None
-    typ, meta = elts[0], elts[1]
-    if isinstance(meta, (ast.Constant, ast.JoinedStr, ast.BinOp)):
-        return typ, {}
-    if isinstance(meta, ast.Call) and isinstance(meta.func, ast.Name) and meta.func.id == "Arg":
-        return typ, _literal_keywords(meta.keywords)
+    typ = elts[0]
+    for meta in elts[1:]:
+        if isinstance(meta, (ast.Constant, ast.JoinedStr, ast.BinOp)):
+            return typ, {}
+        if isinstance(meta, ast.Call) and isinstance(meta.func, ast.Name) and meta.func.id == "Arg":
+            return typ, _literal_keywords(meta.keywords)
     return None
 
 
@@ -198,20 +268,25 @@ def _literal_keywords(keywords: list[ast.keyword]) -> dict[str, Any]:
 
 
 def _named_lists(files: dict[str, str]) -> dict[str, list[Any]]:
-    """Module-level list constants of `srt/arg_groups/choices.py` (ATTENTION_BACKEND_CHOICES
-    and the like), which field declarations name instead of spelling out."""
+    """Module-level list (or set) constants that field declarations name instead of spelling
+    out (ATTENTION_BACKEND_CHOICES and the like): those of `srt/server_args.py` (where the
+    single-class layout keeps them), overridden by `srt/arg_groups/choices.py`'s. A set is
+    recorded sorted (it has no order of its own)."""
     out: dict[str, list[Any]] = {}
-    src = files.get("srt/arg_groups/choices.py")
-    if not src:
-        return out
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                continue
-            if isinstance(value, (list, tuple)):
-                out[node.targets[0].id] = list(value)
+    for rel in ("srt/server_args.py", "srt/arg_groups/choices.py"):
+        src = files.get(rel)
+        if not src:
+            continue
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                if isinstance(value, (list, tuple)):
+                    out[node.targets[0].id] = list(value)
+                elif isinstance(value, (set, frozenset)):
+                    out[node.targets[0].id] = sorted(value, key=str)
     return out
 
 
@@ -252,40 +327,59 @@ def _manual_flags(tree: ast.AST) -> list[tuple[list[str], dict[str, Any]]]:
     return out
 
 
+def _annotated_fields(classes: list[ast.ClassDef], named: dict[str, list[Any]]) -> dict[str, FlagInfo]:
+    """Fields declared `name: A[T, Arg(...) | "help", ...] = default` on `classes`: the flag is
+    `--name-with-dashes` (or the Arg's cli_name) plus its aliases; a field with neither an Arg
+    nor a help string, or with no_cli, has no flag of its own ("nocli")."""
+    fields: dict[str, FlagInfo] = {}
+    for cls in classes:
+        for b in cls.body:
+            if not (isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)):
+                continue
+            name = b.target.id
+            if name.startswith("_"):
+                continue
+            meta = _arg_meta(b.annotation)
+            if meta is None or meta[1].get("no_cli"):
+                fields[name] = FlagInfo(name, "nocli", ())
+                continue
+            typ, kw = meta
+            cli = kw.get("cli_name") or "--" + name.replace("_", "-")
+            aliases = kw.get("aliases") or []
+            fields[name] = FlagInfo(name, _kind_of(typ, kw), (cli, *aliases), _choices(kw, named))
+    return fields
+
+
 def scan_sglang_source(source: str | Path) -> SGLangFlags:
     """Read ServerArgs' fields and flags from an SGLang wheel or package directory, with
-    `ast` only. Handles both layouts: fields declared on namespace classes under
-    `srt/arg_groups/fields/` (0.5.2x, `A[T, Arg(...)]`, flags derived from field names) and
-    the older single `ServerArgs` dataclass whose flags are added by hand in add_cli_args."""
+    `ast` only. Handles three layouts: fields declared `A[T, Arg(...)]` on namespace classes
+    under `srt/arg_groups/fields/` (0.5.2x); the same annotations on the single `ServerArgs`
+    dataclass of `srt/server_args.py` (0.5.17); and the older `ServerArgs` whose flags are all
+    added by hand in add_cli_args. In the first two, flags are derived from field names, and
+    the few `add_argument` calls register fields with dynamic choices and deprecated spellings."""
     files, version = _sources(source)
+    if "srt/server_args.py" not in files:
+        raise ValueError(f"no sglang/srt/server_args.py under {source}")
     named = _named_lists(files)
     fields: dict[str, FlagInfo] = {}
     extra: set[str] = set()
+    server_args = ast.parse(files["srt/server_args.py"])
     field_files = sorted(k for k in files if "arg_groups/fields/" in k)
     if field_files:
-        for rel in field_files:
-            tree = ast.parse(files[rel])
-            for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
-                if not any(isinstance(b, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_NS_PATH"
-                                                             for t in b.targets) for b in cls.body):
-                    continue
-                for b in cls.body:
-                    if not (isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)):
-                        continue
-                    name = b.target.id
-                    if name.startswith("_"):
-                        continue
-                    meta = _arg_meta(b.annotation)
-                    if meta is None or meta[1].get("no_cli"):
-                        fields[name] = FlagInfo(name, "nocli", ())
-                        continue
-                    typ, kw = meta
-                    cli = kw.get("cli_name") or "--" + name.replace("_", "-")
-                    aliases = kw.get("aliases") or []
-                    fields[name] = FlagInfo(name, _kind_of(typ, kw), (cli, *aliases), _choices(kw, named))
+        classes = [cls for rel in field_files for cls in ast.parse(files[rel]).body
+                   if isinstance(cls, ast.ClassDef) and any(
+                       isinstance(b, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_NS_PATH"
+                                                         for t in b.targets) for b in cls.body)]
+    else:
+        classes = [n for n in server_args.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs"]
+        if not classes:
+            raise ValueError(f"no class ServerArgs in sglang/srt/server_args.py under {source}")
+    annotated = any(isinstance(b, ast.AnnAssign) and _arg_meta(b.annotation) is not None
+                    for cls in classes for b in cls.body)
+    if annotated:
+        fields = _annotated_fields(classes, named)
         # fields registered by hand (dynamic choices); deprecated spellings stay extras
-        tree = ast.parse(files.get("srt/server_args.py", ""))
-        for names, kw in _manual_flags(tree):
+        for names, kw in _manual_flags(server_args):
             longs = [n for n in names if n.startswith("--")]
             if not longs:
                 continue
@@ -296,10 +390,9 @@ def scan_sglang_source(source: str | Path) -> SGLangFlags:
                 continue
             kind = "bool" if action in ("store_true", "store_false") else "action" if action else (
                 "list" if kw.get("nargs") in ("+", "*") else "value")
-            fields[dest] = FlagInfo(dest, kind, tuple(longs), _choices(kw))
-    else:  # older layout: `class ServerArgs` dataclass + add_argument calls
-        tree = ast.parse(files["srt/server_args.py"])
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
+            fields[dest] = FlagInfo(dest, kind, tuple(longs), _choices(kw, named))
+    else:  # oldest layout: `class ServerArgs` dataclass + add_argument calls
+        cls = classes[0]
         declared = [b.target.id for b in cls.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)]
         by_dest: dict[str, tuple[list[str], dict[str, Any]]] = {}
         for names, kw in _manual_flags(cls):
@@ -318,9 +411,12 @@ def scan_sglang_source(source: str | Path) -> SGLangFlags:
             action = kw.get("action")
             kind = "bool" if action in ("store_true", "store_false") else "action" if action else (
                 "list" if kw.get("nargs") in ("+", "*") else "value")
-            fields[name] = FlagInfo(name, kind, tuple(longs), _choices(kw))
+            fields[name] = FlagInfo(name, kind, tuple(longs), _choices(kw, named))
         for longs, _ in by_dest.values():
             extra.update(longs)
+    if not any(info.kind != "nocli" for info in fields.values()):
+        raise ValueError(f"no ServerArgs field with a command-line flag found under {source}; "
+                         "SGLang's layout changed, update vlmrl/rollout/sglang_flags.py")
     extra -= {f for info in fields.values() for f in info.flags}
     return SGLangFlags(version, dict(sorted(fields.items())), frozenset(extra))
 
