@@ -1,7 +1,10 @@
 """The SGLang client driving the embedded engine's HTTP server on loopback (real HTTP):
 generation with images and logprobs, SGLang's reply shapes, errors and retries, weight
 updates through /update_weights_from_tensor and /update_weights_from_distributed (gloo),
-memory release / resume, and `python -m vlmrl.rollout.serve` as a subprocess."""
+memory release / resume, and `python -m vlmrl.rollout.serve` as a subprocess; and the server
+speaking each SGLang release vlmrl has a contract for as that release does: its sampling
+checks, /v1/loads and /server_info, weight-update sessions, and the calls SGLang dies on
+(refused here, counted, and the server keeps serving)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,13 @@ import json
 import os
 import shutil
 import socket
+import string
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +30,10 @@ from vlmrl.rollout.client import HTTPEngine
 from vlmrl.rollout.embedded import EmbeddedEngine
 from vlmrl.rollout.protocol import MEMORY_TAGS, EngineError, GenerateRequest, SamplingParams
 from vlmrl.rollout.server import ThreadedServer
+from vlmrl.rollout.sglang_contract import known_versions, load_contract
+from vlmrl.rollout.sglang_contract import protocol as sglang_protocol
+
+VERSIONS = known_versions()
 
 TOL = 1e-5
 
@@ -55,7 +64,19 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict | list |
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw or b"null")
+        except ValueError:  # aiohttp's own 404 page is text
+            return e.code, {"text": raw.decode(errors="replace")}
+
+
+def _get(url: str, timeout: float = 60) -> tuple[int, dict | list | None]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +91,23 @@ def server(engine):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def servers(engine):
+    """One server per SGLang release vlmrl has a contract for, all fronting the same engine."""
+    made = {v: ThreadedServer(engine, sglang_version=v) for v in VERSIONS}
+    yield made
+    for srv in made.values():
+        srv.stop()
+
+
 def _run(coro):
     return asyncio.run(coro)
+
+
+async def _in_session(client: HTTPEngine, coro) -> None:
+    """`coro` inside a weight-update session where the server's release has them."""
+    async with client.weight_update_session():
+        await coro
 
 
 def test_client_generate_with_images_matches_engine(engine, server):
@@ -202,8 +238,9 @@ async def main():
     client = HTTPEngine(url)
     group = await init_weights_update_group_all([client], "127.0.0.1", port, backend="gloo",
                                                 group_name="vlmrl-test", timeout_s=60)
-    await update_weights_distributed([client], group, named, bucket_bytes=512 << 10, group_name="vlmrl-test",
-                                     flattened=flattened, weight_version="dist")
+    async with client.weight_update_session():  # where the server's release has them
+        await update_weights_distributed([client], group, named, bucket_bytes=512 << 10, group_name="vlmrl-test",
+                                         flattened=flattened, weight_version="dist")
     await client.destroy_weights_update_group("vlmrl-test")
     await client.close()
 
@@ -289,7 +326,7 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
     d = tiny_config.data
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", str(port),
-           "--min-pixels", str(d.min_pixels), "--max-pixels", str(d.max_pixels)]
+           "--min-pixels", str(d.min_pixels), "--max-pixels", str(d.max_pixels), "--sglang-version", VERSIONS[0]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             cwd=str(Path(__file__).resolve().parents[2]))
     try:
@@ -303,6 +340,8 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
             if "listening on" in line:
                 break
         assert any("listening on" in x for x in lines), "".join(lines)
+        assert f"(SGLang {VERSIONS[0]} protocol)" in lines[-1]
+        assert _get(f"http://127.0.0.1:{port}/server_info")[1]["version"] == VERSIONS[0]
         status, reply = _post(f"http://127.0.0.1:{port}/generate", {
             "text": _prompt(engine.processor, "How many sides?", 1), "image_data": [_image(70, 70, (90, 0, 90))],
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 3},
@@ -317,6 +356,13 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_serve_module_refuses_a_release_without_contract(tiny_checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", "0",
+                           "--sglang-version", "0.0.1"], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 2 and "make sglang-contract SGLANG_VERSION=0.0.1" in proc.stderr, proc.stderr
 
 
 def test_weight_payloads_are_one_per_engine_rank(engine, server):
@@ -342,9 +388,15 @@ def test_weight_payloads_are_one_per_engine_rank(engine, server):
     # the embedded server is one rank: it loads entry 0, and the version rides on the call
     original = engine.model.model.language_model.norm.weight.detach().clone()
     client = HTTPEngine(server.url)
+
+    async def update() -> None:
+        async with client.weight_update_session():
+            await client.update_weights_from_serialized([serialize_payload([("model.norm.weight", original * 2)],
+                                                                           "torch_save")], weight_version="v-rank")
+        await client.close()
+
     try:
-        _run(client.update_weights_from_serialized([serialize_payload([("model.norm.weight", original * 2)],
-                                                                      "torch_save")], weight_version="v-rank"))
+        _run(update())
         assert engine.weight_version == "v-rank"
         assert torch.equal(engine.model.model.language_model.norm.weight, original * 2)
     finally:
@@ -383,7 +435,7 @@ def test_ipc_payloads_unpickle_only_torch_objects(engine, server, tmp_path):
     try:
         with pytest.raises(EngineError, match="needs the engine on a GPU" if not torch.cuda.is_available()
                            else "only refer to torch objects"):
-            _run(client.update_weights_from_serialized([base64.b64encode(evil).decode()]))
+            _run(_in_session(client, client.update_weights_from_serialized([base64.b64encode(evil).decode()])))
     finally:
         _run(client.close())
     assert not marker.exists()
@@ -574,7 +626,306 @@ def test_flattened_bucket_load_format_is_checked_against_the_payload(engine, ser
     client = HTTPEngine(server.url, tensor_format="ipc")
     try:
         with pytest.raises(EngineError, match="flattened_bucket' needs a CUDA-IPC payload"):
-            _run(client.update_weights_from_serialized([encode_torch_payload([(name, torch.zeros_like(before))])]))
+            _run(_in_session(client, client.update_weights_from_serialized(
+                [encode_torch_payload([(name, torch.zeros_like(before))])])))
     finally:
         _run(client.close())
     assert torch.equal(dict(engine.model.named_parameters())[name].detach(), before)
+
+
+# --------------------------------------------------------------------------- one SGLang release each
+# A request that breaks each check of SamplingParams.verify, by the check's condition as the
+# contract records it (and nothing before it). A check a regenerated contract adds has no entry
+# here, and the test below fails until one is written.
+VIOLATING: dict[str, dict] = {
+    "self.beam_width is not None and self.beam_width < 1": {"beam_width": 0},
+    "not math.isfinite(self.temperature) or self.temperature < 0.0": {"temperature": -0.5},
+    "not 0.0 < self.top_p <= 1.0": {"top_p": 1.5},
+    "not 0.0 <= self.min_p <= 1.0": {"min_p": -0.1},
+    "self.top_k < 1 or self.top_k == -1": {"top_k": 0},
+    "not -2.0 <= self.frequency_penalty <= 2.0": {"frequency_penalty": 3.0},
+    "not -2.0 <= self.presence_penalty <= 2.0": {"presence_penalty": -2.5},
+    "not 0.0 < self.repetition_penalty <= 2.0": {"repetition_penalty": 0.0},
+    "not 0 <= self.min_new_tokens": {"min_new_tokens": -1},
+    "self.max_new_tokens < 0": {"max_new_tokens": -1},
+    "not self.min_new_tokens <= self.max_new_tokens": {"min_new_tokens": 5, "max_new_tokens": 2},
+    "not 0 <= int(token_id) < vocab_size": {"logit_bias": {"3": 0.5, "1000000000": 1.0}},
+    "not isinstance(self.sampling_seed, int)": {"sampling_seed": "seven"},
+    "not -2 ** 63 <= self.sampling_seed <= 2 ** 63 - 1": {"sampling_seed": 2 ** 64},
+    "sum((x is not None for x in grammars)) > 1": {"json_schema": "{}", "regex": "[a-z]+"},
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_sampling_check_of_the_release_is_a_400(engine, servers, version):
+    """Each check of the release's SamplingParams.verify, sent a value it refuses, is an HTTP
+    400 whose message is SGLang's (it names the parameter); the server keeps serving."""
+    rules = load_contract(version)["sampling_params"]["verify"]["rules"]
+    missing = [r["condition"] for r in rules if r["condition"] not in VIOLATING]
+    assert not missing, f"SGLang {version} has checks with no violating request in VIOLATING: {missing}"
+    url = servers[version].url
+    text = _prompt(engine.processor, "Find x.")
+    for rule in rules:
+        status, reply = _post(url + "/generate", {"text": text, "sampling_params": VIOLATING[rule["condition"]]})
+        assert status == 400, (rule["condition"], status, reply)
+        message = reply["error"]["message"]
+        assert reply["error"]["retryable"] is False
+        for literal, *_ in string.Formatter().parse(rule["message"]):  # SGLang's text around its values
+            assert literal in message, (rule["message"], message)
+        for name in rule["parameters"]:
+            assert name in message, (name, message)
+    status, reply = _post(url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 0, "top_k": -1,
+                                                                                "temperature": 0}})
+    assert status == 200 and reply["output_ids"] == [], reply  # in range: SGLang takes it, and so does this
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_server_info_and_loads_speak_the_release(engine, servers, version):
+    """/server_info reports the emulated release; /v1/loads answers the contract's keys, with
+    the requests being generated and those queued counted as they are."""
+    import threading
+
+    proto = sglang_protocol(version)
+    url = servers[version].url
+    status, info = _get(url + "/server_info")
+    assert status == 200 and info["version"] == version and set(proto.server_info_keys) <= set(info)
+    status, loads = _get(url + "/v1/loads?include=core")
+    assert status == 200 and set(loads) == set(proto.loads_reply_keys) and loads["version"] == version
+    (row,) = loads["loads"]
+    assert list(row) == list(proto.loads_core_keys) and row["num_running_reqs"] == row["num_waiting_reqs"] == 0
+
+    samples: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            (r,) = _get(url + "/v1/loads")[1]["loads"]
+            samples.append((r["num_running_reqs"], r["num_waiting_reqs"]))
+            time.sleep(0.005)
+
+    text = _prompt(engine.processor, "Count to one hundred.")
+    body = {"text": [text] * 5, "sampling_params": {"max_new_tokens": 96, "ignore_eos": True, "temperature": 0}}
+    old = engine.max_batch_size
+    engine.max_batch_size = 2  # 5 requests: a batch of 2 runs while 3 wait, then 2 and 1, then 1
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        status, reply = _post(url + "/generate", body, timeout=300)
+    finally:
+        done.set()
+        poller.join(10)
+        engine.max_batch_size = old
+    assert status == 200 and len(reply) == 5 and all(len(r["output_ids"]) == 96 for r in reply)
+    seen = set(samples)
+    assert (2, 3) in seen and (1, 0) in seen, sorted(seen)  # every sample a true count
+    assert all(r <= 2 and r + w <= 5 for r, w in seen), sorted(seen)
+    (row,) = _get(url + "/v1/loads")[1]["loads"]
+    assert row["num_running_reqs"] == row["num_waiting_reqs"] == 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_weight_update_sessions_where_the_release_has_them(engine, servers, version):
+    """Where the release has /begin_weight_update and /end_weight_update, tensor and
+    distributed updates outside a session are refused (400, success false), begin twice and
+    end without begin too, and inside a session the update lands; elsewhere both paths are
+    404 and updates need no session."""
+    from vlmrl.rollout.weights import serialize_payload
+
+    srv = servers[version]
+    url = srv.url
+    proto = sglang_protocol(version)
+    original = engine.model.model.language_model.norm.weight.detach().clone()
+    update = {"serialized_named_tensors": [serialize_payload([("model.norm.weight", original * 3)], "torch_save")],
+              "weight_version": f"s-{version}"}
+    distributed = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [list(original.shape)],
+                   "group_name": "no-such-group"}
+    refused_before = srv.stats["update_refused_no_session"]
+    try:
+        if not proto.weight_update_session:
+            assert _post(url + "/begin_weight_update", {})[0] == 404
+            assert _post(url + "/end_weight_update", {})[0] == 404
+            status, reply = _post(url + "/update_weights_from_tensor", update)
+            assert status == 200 and reply["success"] and engine.weight_version == f"s-{version}"
+            assert torch.equal(engine.model.model.language_model.norm.weight, original * 3)
+            return
+        for path, body in (("/update_weights_from_tensor", update), ("/update_weights_from_distributed", distributed)):
+            status, reply = _post(url + path, body)
+            assert status == 400 and reply["success"] is False and "/begin_weight_update" in reply["message"], reply
+        assert srv.stats["update_refused_no_session"] == refused_before + 2
+        assert not torch.equal(engine.model.model.language_model.norm.weight, original * 3)  # nothing loaded
+        status, reply = _post(url + "/end_weight_update", {})
+        assert status == 400 and reply["success"] is False  # no session open
+        assert _post(url + "/begin_weight_update", {}) == (200, {"success": True, "message": "weight-update session opened"})
+        status, reply = _post(url + "/begin_weight_update", {})
+        assert status == 400 and reply["success"] is False  # one open already
+        status, reply = _post(url + "/update_weights_from_tensor", update)
+        assert status == 200 and reply["success"] and engine.weight_version == f"s-{version}"
+        assert torch.equal(engine.model.model.language_model.norm.weight, original * 3)
+        status, reply = _post(url + "/update_weights_from_distributed", distributed)  # past the session check
+        assert status == 400 and "no weight update group" in reply["message"]
+        assert _post(url + "/end_weight_update", {})[0] == 200
+        assert _post(url + "/end_weight_update", {})[0] == 400
+        assert srv.stats["update_refused_no_session"] == refused_before + 2
+    finally:
+        _run(engine.update_weights_from_tensor([("model.norm.weight", original)], weight_version="0"))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_release_while_busy_is_refused_counted_and_survived(engine, servers, version):
+    """SGLang asserts it is idle on a memory release, and its scheduler dies when a request
+    runs. The embedded server answers 500 with SGLang's assertion text instead, counts it,
+    releases nothing and finishes the request; vlmrl's client, which drains first, is never
+    refused."""
+    import threading
+
+    srv = servers[version]
+    url = srv.url
+    before = srv.stats["release_refused_busy"]
+    text = _prompt(engine.processor, "Describe a triangle.")
+    long = {"text": text, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    out: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: out.update(reply=_post(url + "/generate", long, timeout=300)), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _get(url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.005)
+    status, reply = _post(url + "/release_memory_occupation", {})
+    assert status == 500, reply
+    assert reply["error"]["message"] == load_contract(version)["memory"]["release_requires_idle"]["message"]
+    assert srv.stats["release_refused_busy"] == before + 1 and engine.released_tags == set()
+    worker.join(300)
+    status, reply = out["reply"]
+    assert status == 200 and len(reply["output_ids"]) == 400  # the request was not harmed
+
+    async def drained_release() -> None:
+        client = HTTPEngine(url, max_retries=0)
+        try:
+            pending = asyncio.ensure_future(client.generate([GenerateRequest(
+                text=text, sampling=SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True))]))
+            while not client._inflight:
+                await asyncio.sleep(0.001)
+            await client.release_memory_occupation()  # waits for the request, then releases
+            assert pending.done() and len((await pending)[0].output_ids) == 200
+            assert engine.released_tags == set(MEMORY_TAGS)
+            await client.resume_memory_occupation()
+        finally:
+            await client.close()
+
+    _run(drained_release())
+    assert srv.stats["release_refused_busy"] == before + 1 and engine.released_tags == set()
+    assert _post(url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_generate_and_update_while_released_are_refused_counted_and_survived(engine, server):
+    """A /generate while memory is released (SGLang 0.5.17 crashed on one) is refused with a
+    503 and a weight update while the weights are released with a 400; both are counted and
+    the server serves again once resumed."""
+    from vlmrl.rollout.weights import serialize_payload
+
+    url = server.url
+    text = _prompt(engine.processor, "Find x.")
+    stats = dict(engine.stats)
+    assert _post(url + "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})[0] == 200
+    try:
+        status, reply = _post(url + "/generate", {"text": [text, text], "sampling_params": {"max_new_tokens": 2}})
+        assert status == 503 and "released" in reply["error"]["message"]
+        assert engine.stats["refused_generate_released"] == stats["refused_generate_released"] + 2
+        weight = engine.model.model.language_model.norm.weight.detach().clone()
+        body = {"serialized_named_tensors": [serialize_payload([("model.norm.weight", weight * 2)], "torch_save")]}
+        assert _post(url + "/begin_weight_update", {})[0] == 200
+        status, reply = _post(url + "/update_weights_from_tensor", body)
+        assert _post(url + "/end_weight_update", {})[0] == 200
+        assert status == 400 and reply["success"] is False and "released" in reply["message"]
+        assert engine.stats["refused_update_released"] == stats["refused_update_released"] + 1
+        assert torch.equal(engine.model.model.language_model.norm.weight, weight)
+        assert _get(url + "/server_info")[0] == 200  # still serving
+    finally:
+        assert _post(url + "/resume_memory_occupation", {"tags": ["kv_cache", "weights"]})[0] == 200
+    assert _post(url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_released_engine_gets_no_request_and_a_router_client_is_held(engine, server):
+    """After a release the client refuses to generate without sending anything (SGLang 0.5.17
+    died on a /generate while released); `hold` closes the same gate on a client that fronts
+    released servers (a router's); resume and `unhold` open them again."""
+    text = _prompt(engine.processor, "Find x.")
+    req = GenerateRequest(text=text, sampling=SamplingParams(temperature=0.0, max_new_tokens=3))
+    refused = engine.stats["refused_generate_released"]
+
+    async def go():
+        client, router = HTTPEngine(server.url, max_retries=0), HTTPEngine(server.url, max_retries=0)
+        try:
+            await client.release_memory_occupation(["kv_cache"])
+            assert client.held == {"kv_cache"} and engine.released_tags == {"kv_cache"}
+            with pytest.raises(EngineError, match="released") as err:
+                await client.generate([req])
+            assert not err.value.retryable
+            router.hold(["kv_cache"])
+            with pytest.raises(EngineError, match="released"):
+                await router.generate([req])
+            await client.resume_memory_occupation(["kv_cache"])
+            router.unhold(["kv_cache"])
+            assert not client.held and not router.held
+            return (await client.generate([req]))[0], (await router.generate([req]))[0]
+        finally:
+            await client.close()
+            await router.close()
+
+    a, b = _run(go())
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 3
+    assert engine.stats["refused_generate_released"] == refused  # nothing reached the server
+
+
+def test_drain_waits_for_requests_of_other_clients(engine, server):
+    """A release waits until the server runs nothing, also requests this client never sent
+    (another client's, or ones whose caller went away): the server's /v1/loads says when."""
+    import threading
+
+    url = server.url
+    before = server.stats["release_refused_busy"]
+    text = _prompt(engine.processor, "Describe a circle.")
+    long = {"text": text, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
+    out: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: out.update(reply=_post(url + "/generate", long, timeout=300)), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _get(url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.005)
+
+    async def release(timeout_s):
+        client = HTTPEngine(url, max_retries=0, drain_timeout_s=timeout_s)
+        try:
+            await client.release_memory_occupation()
+            return client.held
+        finally:
+            await client.close()
+
+    with pytest.raises(EngineError, match="still runs 1 and queues 0"):
+        _run(release(0.2))  # too short: nothing released, and the gate reopens
+    assert engine.released_tags == set()
+    assert _run(release(300)) == set(MEMORY_TAGS)
+    assert "reply" in out and out["reply"][0] == 200 and len(out["reply"][1]["output_ids"]) == 300
+    assert engine.released_tags == set(MEMORY_TAGS) and server.stats["release_refused_busy"] == before
+    assert _post(url + "/resume_memory_occupation", {})[0] == 200
+
+
+def test_a_client_for_broadcast_only_servers_sends_no_tensor_payload(engine, server):
+    """SGLang on GPUs of its own takes weights from the NCCL group only (its safe unpickler
+    refuses torch.save bytes): its client (tensor_format None) refuses tensor payloads before
+    anything is sent."""
+    weight = engine.model.model.language_model.norm.weight.detach().clone()
+
+    async def go():
+        client = HTTPEngine(server.url, tensor_format=None)
+        try:
+            with pytest.raises(ValueError, match="NCCL update group"):
+                await client.update_weights_from_tensor([("model.norm.weight", weight * 2)])
+            with pytest.raises(ValueError, match="NCCL update group"):
+                await client.update_weights_from_serialized(["x"])
+        finally:
+            await client.close()
+
+    _run(go())
+    assert torch.equal(engine.model.model.language_model.norm.weight, weight)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -112,7 +113,12 @@ class TrainerWorker:
         cfg = self.cfg
         colocate = cfg.cluster.colocate
         tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
-        fmt = "ipc" if colocate and cfg.hardware.device == "cuda" else "torch_save"
+        # colocated on GPUs: CUDA IPC; the embedded server on CPU reads torch.save payloads;
+        # SGLang on GPUs of its own takes the broadcast only (its unpickler refuses torch.save)
+        if colocate and cfg.hardware.device == "cuda":
+            fmt: str | None = "ipc"
+        else:
+            fmt = "torch_save" if cfg.rollout.name == "embedded" else None
         if self.rank == 0 and getattr(self, "_http", None) is not None and (reset or urls != self._urls):
             self._drop_engine_links()
         if self.rank == 0 and getattr(self, "_http", None) is None:
@@ -162,6 +168,15 @@ class TrainerWorker:
             alive.clear()
             lap("barrier")
 
+        async def each(method: str) -> list[Any]:
+            return await asyncio.gather(*(getattr(e, method)() for e in self._http), return_exceptions=True)
+
+        if self.rank == 0:  # where the engines' release has weight-update sessions, one around the sync
+            opened = self._loop.run_until_complete(each("begin_weight_update"))
+            failed = [e for e in opened if isinstance(e, BaseException)]
+            if failed:
+                self._loop.run_until_complete(each("end_weight_update"))
+                raise failed[0]
         try:
             # the flattened IPC bucket copies each tensor's own bytes: views need no copy of their
             # own (unless `compact_views` asks for one: the weight-sync bench measures both)
@@ -196,6 +211,11 @@ class TrainerWorker:
         finally:
             if inflight is not None and inflight[0] is not None:  # failed mid-sync: let the post end first
                 inflight[0].exception()
+            if self.rank == 0:  # closed whatever happened; its own failure only counts after a good sync
+                ends = self._loop.run_until_complete(each("end_weight_update"))
+                failed = [e for e in ends if isinstance(e, BaseException)]
+                if failed and sys.exc_info()[0] is None:
+                    raise failed[0]
         self.last_sync_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": buckets}
         return sent
 
@@ -224,6 +244,18 @@ class TrainerWorker:
         if self._group is not None:
             wt.destroy_update_group(self._group)
         self._http, self._group = None, None
+
+    def offload(self) -> dict[str, float]:
+        """Move this rank's weights, gradients and optimizer state off the GPU (see
+        `MegatronTrainer.offload`); returns its bytes and seconds."""
+        return self.trainer.offload()
+
+    def onload(self) -> dict[str, float]:
+        return self.trainer.onload()
+
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's device memory now (see `MegatronTrainer.memory_stats`)."""
+        return self.trainer.memory_stats()
 
     def export_hf(self) -> dict[str, Any] | None:
         from ..models import adapters
@@ -354,6 +386,27 @@ class TrainerGroup:
         with self._collective():
             return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version, reset_links)
                             for w in self.workers])[0]
+
+    def offload(self) -> dict[str, float]:
+        """Every rank's weights, gradients and optimizer state leave its GPU (colocated
+        engines generate meanwhile); returns rank 0's figures."""
+        import ray
+
+        with self._collective():
+            return ray.get([w.offload.remote() for w in self.workers])[0]
+
+    def onload(self) -> dict[str, float]:
+        import ray
+
+        with self._collective():
+            return ray.get([w.onload.remote() for w in self.workers])[0]
+
+    def memory_stats(self) -> list[dict[str, float]]:
+        """Each rank's device memory now, in rank order."""
+        import ray
+
+        with self._collective():
+            return ray.get([w.memory_stats.remote() for w in self.workers])
 
     def export_hf(self) -> dict[str, Any]:
         import ray

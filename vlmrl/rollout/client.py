@@ -10,16 +10,30 @@ base64 of torch.save'd (name, tensor) lists, tensors copied) or `"ipc"` (SGLang 
 on the same GPUs: each bucket flattened into one uint8 tensor and sent as one CUDA IPC handle
 with `load_format="flattened_bucket"`, see `vlmrl.rollout.weights.flatten_bucket`), with one
 entry per tensor-parallel rank of the engine, each serialized on the GPU that rank reads
-(`update_weights_from_serialized`).
+(`update_weights_from_serialized`). `None`: the server takes no tensor payload from vlmrl (SGLang
+on GPUs of its own reads weights from the NCCL update group only: its safe unpickler refuses
+torch.save bytes).
+
+The server's protocol is its SGLang release's (`protocol()`: the version `/server_info` reports,
+looked up in the contracts generated from SGLang's source; an unknown version is refused). Where
+that release has weight-update sessions, `weight_update_session()` opens one around a sync.
+
+Memory: after `release_memory_occupation` the client refuses to generate until every released
+tag is resumed (SGLang's scheduler dies on a request while its memory is released), and the
+release itself first waits until the server is idle (`drain`: this client's requests ended and
+the server's `/v1/loads` shows none running or queued; SGLang asserts idleness and dies
+otherwise). `hold` / `unhold` close and open that gate on a client that does not release
+(a router in front of the released servers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from .protocol import (
@@ -50,12 +64,13 @@ class HTTPEngine:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
-        tensor_format: str = "torch_save",
+        tensor_format: str | None = "torch_save",
         tp_size: int = 1,
         admin_timeout_s: float = 1800.0,
+        drain_timeout_s: float = 300.0,
     ) -> None:
-        if tensor_format not in ("torch_save", "ipc"):
-            raise ValueError(f"tensor_format must be 'torch_save' or 'ipc', not {tensor_format!r}")
+        if tensor_format not in ("torch_save", "ipc", None):
+            raise ValueError(f"tensor_format must be 'torch_save', 'ipc' or None, not {tensor_format!r}")
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
         self.max_concurrency = int(max_concurrency)
@@ -66,6 +81,10 @@ class HTTPEngine:
         self.backoff_max_s = float(backoff_max_s)
         self.tensor_format = tensor_format
         self.tp_size = int(tp_size)
+        self.drain_timeout_s = float(drain_timeout_s)
+        self._held: set[str] = set()  # released memory tags: no generation while any
+        self._inflight = 0  # this client's /generate calls under way
+        self._protocol: Any = None  # the server's SGLangProtocol, once asked
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
         self._sem: asyncio.Semaphore | None = None
@@ -81,6 +100,8 @@ class HTTPEngine:
         if self._session is not None and not self._session.closed:
             self._stale.append(self._session)  # closed by the next close() on its loop
         self._session = None
+        self._protocol = None  # a restarted server may run another release
+        self._held.clear()  # a new server holds all its memory
 
     # ----------------------------------------------------------------- plumbing
     def _ensure(self) -> tuple[Any, asyncio.Semaphore]:
@@ -140,6 +161,16 @@ class HTTPEngine:
 
     # ----------------------------------------------------------------- generation
     async def generate_one(self, req: GenerateRequest) -> GenerateResult:
+        if self._held:
+            raise EngineError(f"{self.name}: its memory is released ({', '.join(sorted(self._held))}); no request "
+                              "is sent until it is resumed", retryable=False)
+        self._inflight += 1
+        try:
+            return await self._generate_one(req)
+        finally:
+            self._inflight -= 1
+
+    async def _generate_one(self, req: GenerateRequest) -> GenerateResult:
         self.stats["requests"] += 1
         last: EngineError | None = None
         for attempt in range(self.max_retries + 1):
@@ -186,6 +217,7 @@ class HTTPEngine:
         (rank i loads `payloads[i]`). CUDA-IPC payloads must each come from the GPU that
         rank reads: one payload shared by several ranks breaks the producer's IPC
         reference counting, so identical IPC payloads are refused."""
+        self._check_tensor_format()
         if len(payloads) != self.tp_size:
             raise ValueError(f"{self.name}: {len(payloads)} serialized payloads for an engine of tp_size "
                              f"{self.tp_size}; SGLang's rank i reads entry i")
@@ -206,17 +238,71 @@ class HTTPEngine:
         """Send weights held by this process. Host copies (`torch_save`) are read by every
         rank from one payload; CUDA IPC needs one payload per rank, each from that rank's GPU,
         so an IPC engine wider than one rank takes `update_weights_from_serialized`."""
+        self._check_tensor_format()
         if self.tensor_format == "ipc" and self.tp_size > 1:
             raise ValueError(f"{self.name}: CUDA-IPC weights for tp_size {self.tp_size} need one payload per "
                              "rank from that rank's GPU; use update_weights_from_serialized")
         buckets = list(bucketize(named_tensors, bucket_bytes))
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            alive: list[Any] = []  # the flattened copy stays until the engine has read it
-            entry = await asyncio.to_thread(self.serialize, bucket, alive)
-            await self.update_weights_from_serialized([entry] * self.tp_size, flush_cache=flush_cache and last,
-                                                      weight_version=weight_version if last else None)
-            del alive
+        async with self.weight_update_session():
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                alive: list[Any] = []  # the flattened copy stays until the engine has read it
+                entry = await asyncio.to_thread(self.serialize, bucket, alive)
+                await self.update_weights_from_serialized([entry] * self.tp_size,
+                                                          flush_cache=flush_cache and last,
+                                                          weight_version=weight_version if last else None)
+                del alive
+
+    def _check_tensor_format(self) -> None:
+        if self.tensor_format is None:
+            raise ValueError(f"{self.name} takes no tensor payloads from vlmrl: an SGLang server on GPUs of its own "
+                             "reads weights from the NCCL update group (update_weights_from_distributed), and its "
+                             "safe unpickler refuses torch.save bytes")
+
+    # ----------------------------------------------------------------- protocol
+    async def protocol(self) -> Any:
+        """The server's SGLang protocol (`vlmrl.rollout.sglang_contract.SGLangProtocol`): the
+        version `/server_info` reports, looked up among the contracts vlmrl has; a server
+        that reports none, or a release vlmrl has no contract for, is refused."""
+        if self._protocol is None:
+            from .sglang_contract import protocol
+
+            info = await self._call("GET", "/server_info", None, timeout_s=60.0)
+            version = info.get("version") if isinstance(info, dict) else None
+            if not version:
+                raise EngineError(f"{self.name}: /server_info reports no SGLang version", retryable=False)
+            try:
+                self._protocol = protocol(str(version))
+            except ValueError as e:
+                raise EngineError(f"{self.name}: {e}", retryable=False) from e
+        return self._protocol
+
+    async def server_version(self) -> str:
+        return (await self.protocol()).version
+
+    async def begin_weight_update(self) -> bool:
+        """Open the server's weight-update session where its release has them (SGLang 0.5.23
+        refuses tensor updates outside /begin_weight_update ... /end_weight_update; 0.5.17 has
+        neither endpoint). True when one was opened."""
+        if not (await self.protocol()).weight_update_session:
+            return False
+        await self._checked("/begin_weight_update", {})
+        return True
+
+    async def end_weight_update(self) -> None:
+        if (await self.protocol()).weight_update_session:
+            await self._checked("/end_weight_update", {})
+
+    @contextlib.asynccontextmanager
+    async def weight_update_session(self) -> AsyncIterator[None]:
+        """A weight-update session around the body (none where the release has none), closed
+        even when the body fails."""
+        opened = await self.begin_weight_update()
+        try:
+            yield
+        finally:
+            if opened:
+                await self.end_weight_update()
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, *, group_name: str = "weight_update_group",
@@ -237,13 +323,66 @@ class HTTPEngine:
         await self._checked("/destroy_weights_update_group", {"group_name": group_name})
 
     # ----------------------------------------------------------------- control
+    def hold(self, tags: Sequence[str] | None = None) -> None:
+        """Refuse to generate until `unhold` (a router's client while its servers are released)."""
+        self._held.update(memory_tags(tags))
+
+    def unhold(self, tags: Sequence[str] | None = None) -> None:
+        self._held.difference_update(memory_tags(tags))
+
+    @property
+    def held(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    async def load(self) -> dict[str, int]:
+        """Requests the server is running and has queued (summed over its data-parallel ranks,
+        from `/v1/loads`)."""
+        reply = await self._call("GET", "/v1/loads?include=core", None, timeout_s=30.0, retries=1)
+        loads = reply.get("loads") if isinstance(reply, dict) else None
+        if not isinstance(loads, list):
+            raise EngineError(f"{self.name}: /v1/loads answered {str(reply)[:200]!r}", retryable=False)
+        return {"running": sum(int(x.get("num_running_reqs", 0)) for x in loads),
+                "waiting": sum(int(x.get("num_waiting_reqs", 0)) for x in loads)}
+
+    async def drain(self, timeout_s: float | None = None, *, poll_s: float = 0.05) -> None:
+        """Wait until this client's requests have ended and the server runs and queues none
+        (requests cancelled on the client side may still be running in the server); raise
+        EngineError naming what is left after `timeout_s`."""
+        deadline = time.monotonic() + (self.drain_timeout_s if timeout_s is None else timeout_s)
+        while self._inflight:
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: {self._inflight} requests of this client still running after "
+                                  f"{self.drain_timeout_s:.0f} s", retryable=False)
+            await asyncio.sleep(poll_s)
+        if not (await self.protocol()).loads:
+            return
+        while True:
+            load = await self.load()
+            if not load["running"] and not load["waiting"]:
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: the server still runs {load['running']} and queues "
+                                  f"{load['waiting']} requests", retryable=False)
+            await asyncio.sleep(max(poll_s, 0.1))
+
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        body = {} if tags is None else {"tags": list(memory_tags(tags))}
-        await self._call("POST", "/release_memory_occupation", body, timeout_s=self.admin_timeout_s, retries=0)
+        """Stop generating, wait until the server is idle, then release `tags` (None: all)."""
+        tags = memory_tags(tags)
+        new = set(tags) - self._held
+        self._held.update(tags)
+        try:
+            await self.drain()
+            await self._call("POST", "/release_memory_occupation", {"tags": list(tags)},
+                             timeout_s=self.admin_timeout_s, retries=0)
+        except BaseException:
+            self._held.difference_update(new)  # nothing was released: generation may go on
+            raise
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        body = {} if tags is None else {"tags": list(memory_tags(tags))}
-        await self._call("POST", "/resume_memory_occupation", body, timeout_s=self.admin_timeout_s, retries=0)
+        tags = memory_tags(tags)
+        await self._call("POST", "/resume_memory_occupation", {"tags": list(tags)},
+                         timeout_s=self.admin_timeout_s, retries=0)
+        self._held.difference_update(tags)
 
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache", None, expect_json=False)

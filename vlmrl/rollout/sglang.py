@@ -3,12 +3,12 @@ and the `flags` command that regenerates the flag list.
 
 SGLang is never imported here (it cannot be installed on the CPU machines, and even its
 request dataclasses pull in GPU packages). Flags are checked against the committed list
-of SGLang's ServerArgs fields, `sglang_flags.txt`, which this module writes by reading
+of SGLang's ServerArgs fields of each release vlmrl speaks
+(`vlmrl/rollout/contracts/sglang-<version>.flags.txt`), which this module writes by reading
 SGLang's source with `ast` (no import):
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sg
-    python -m vlmrl.rollout.sglang flags --source /tmp/sg/sglang-0.5.23-*.whl \\
-        --out vlmrl/rollout/sglang_flags.txt
+    python -m vlmrl.rollout.sglang flags --source /tmp/sg/sglang-0.5.23-*.whl
 
 Launch: `server_args(...)` maps the config onto ServerArgs field names (model_path, tp_size
 = rollout.gpus_per_engine, ep_size, mem_fraction_static, mm_attention_backend from the
@@ -42,8 +42,8 @@ from typing import Any
 
 from .manager import close_sessions
 from .sglang_flags import (
-    FLAGS_FILE,
     SGLangFlags,
+    flags_file,
     format_flags,
     load_flags,
     scan_sglang_source,
@@ -202,51 +202,92 @@ class ManagedProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
+VERSION_PROBE = "from importlib.metadata import version; print(version('sglang'))"
+
+
+def installed_sglang_version(python: str | None = None, env: dict[str, str] | None = None) -> str:
+    """The sglang release installed for `python` (None: this interpreter) under `env`, read
+    from its package metadata without importing it."""
+    python = python or sys.executable
+    try:
+        out = subprocess.run([python, "-c", VERSION_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"could not ask {python} for its sglang version: {e}") from e
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"sglang is not installed for {python} (rollout.sglang.python; PYTHONPATH from "
+                           f"rollout.sglang.env): {last}")
+    return out.stdout.strip()
+
+
 class SGLangServerActor:
     """Ray actor body: runs one SGLang server on its slot's GPUs.
 
-    Ray may give the actor a fractional GPU (colocation), so the GPUs the server uses are
-    set explicitly from the engine slot through CUDA_VISIBLE_DEVICES."""
+    The actor sits in its engine's placement-group bundle and may hold a fraction of a GPU
+    (colocation), so the GPUs the server uses are set explicitly from the engine slot through
+    CUDA_VISIBLE_DEVICES. The server runs under `python` (rollout.sglang.python) with `env`
+    (rollout.sglang.env) added to the actor's environment."""
 
-    def __init__(self, args: dict[str, Any], devices: Sequence[int], *, log_path: str,
-                 flags_path: str | None = None, env: dict[str, str] | None = None) -> None:
-        self.args = dict(args)
+    def __init__(self, devices: Sequence[int], *, log_path: str, python: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.devices = tuple(devices)
         self.log_path = log_path
-        self.flags = load_flags(flags_path) if flags_path else load_flags()
+        self.python = python or sys.executable
         self.extra_env = dict(env or {})
+        self.args: dict[str, Any] = {}
+        self.flags_version: str | None = None
         self.process: ManagedProcess | None = None
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, **self.extra_env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
 
     def node_ip(self) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
 
-    def start(self) -> str:
+    def sglang_version(self) -> str:
+        return installed_sglang_version(self.python, self._env())
+
+    def start(self, args: dict[str, Any] | None = None, version: str | None = None) -> str:
+        """Start the server (`args`: ServerArgs fields checked against the flags of `version`);
+        without arguments, start it again as before (after `stop`)."""
+        if args is not None:
+            self.args, self.flags_version = dict(args), version
+        if not self.args:
+            raise RuntimeError("SGLangServerActor.start needs the server's arguments the first time")
         if self.args.get("host") in (None, "", "auto"):
             self.args["host"] = self.node_ip()
-        env = {**os.environ, **self.extra_env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
-        cmd = server_command(self.args, flags=self.flags)
+        cmd = server_command(self.args, flags=load_flags(self.flags_version), python=self.python)
         log.info("starting SGLang on GPUs %s: %s", self.devices, " ".join(cmd))
-        self.process = ManagedProcess(cmd, env=env, log_path=self.log_path)
+        self.process = ManagedProcess(cmd, env=self._env(), log_path=self.log_path)
         self.process.start()
+        return self.url()
+
+    def url(self) -> str:
         return f"http://{self.args['host']}:{self.args['port']}"
 
     async def wait_healthy(self, timeout_s: float) -> None:
         from .client import HTTPEngine
 
-        client = HTTPEngine(f"http://{self.args['host']}:{self.args['port']}", max_retries=0)
+        client = HTTPEngine(self.url(), max_retries=0)
         try:
             await client.wait_healthy(timeout_s, poll_s=2.0, is_alive=lambda: self.process is not None
                                       and self.process.alive())
         except Exception as e:
-            tail = self.process.tail() if self.process else ""
-            raise RuntimeError(f"SGLang server did not become healthy: {e}\n--- log tail ---\n{tail}") from e
+            raise RuntimeError(f"SGLang server on GPUs {list(self.devices)} did not become healthy: {e}\n"
+                               f"--- the end of its log ({self.log_path}) ---\n{self.tail()}") from e
         finally:
             await client.close()
 
+    def tail(self, n: int = 40) -> str:
+        return self.process.tail(n) if self.process else ""
+
     def alive(self) -> bool:
         return self.process is not None and self.process.alive()
+
+    def pid(self) -> int | None:
+        return self.process.proc.pid if self.process is not None and self.process.proc is not None else None
 
     def stop(self) -> None:
         if self.process is not None:
@@ -260,6 +301,8 @@ class SGLangEngines:
 
     engines: list[Any]  # HTTPEngine per server
     actors: list[Any]
+    version: str = ""
+    placed: bool = True  # False while Ray may still be placing the actors (they answer nothing)
     router: ManagedProcess | None = None
     router_url: str | None = None
     generation: list[Any] = field(default_factory=list)
@@ -271,9 +314,50 @@ class SGLangEngines:
             await e.close()
         if self.router is not None:
             self.router.stop()
-        await asyncio.gather(*(a.stop.remote() for a in self.actors), return_exceptions=True)
+        # each server's own stop (its process group), bounded: an actor Ray never placed would
+        # never answer; ray.kill then ends the actors (and cancels pending ones)
+        try:
+            if self.placed:
+                await asyncio.wait_for(asyncio.gather(*(a.stop.remote() for a in self.actors),
+                                                      return_exceptions=True), 60.0)
+        except TimeoutError:
+            log.warning("SGLang engine actors did not stop within 60 s; killing them")
         for a in self.actors:
             ray.kill(a)
+
+
+def engine_gpu_request(rollout: Any, colocate: bool, gpu_fraction: float | None = None) -> float:
+    """The GPU an engine actor asks Ray for in its bundle (one GPU each): a share when it sits
+    beside a trainer rank, else the whole bundle. An engine wider than one GPU sits in the
+    bundle of its first GPU; its server is pinned to all of them through CUDA_VISIBLE_DEVICES."""
+    if gpu_fraction is not None:
+        return float(gpu_fraction)
+    return 0.2 if colocate else 1.0
+
+
+def check_sglang_version(found: Sequence[str], wanted: str | None) -> str:
+    """The one SGLang release every engine runs, known to vlmrl (a contract exists for it) and
+    equal to `rollout.sglang.version` when set; ValueError otherwise."""
+    from .sglang_contract import known_versions
+
+    versions = sorted(set(found))
+    if len(versions) != 1:
+        raise ValueError(f"the SGLang engines run different releases: {versions}")
+    version = versions[0]
+    if wanted and version != wanted:
+        raise ValueError(f"rollout.sglang.version={wanted} but the engines' interpreter has sglang {version}")
+    if version not in known_versions():
+        raise ValueError(f"sglang {version} is not a release vlmrl has run or has a contract for; tested: "
+                         f"{', '.join(known_versions())} (install one of them, or generate a contract with "
+                         f"`make sglang-contract SGLANG_VERSION={version}` and test it)")
+    return version
+
+
+async def _within(awaitable: Any, timeout_s: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError as e:
+        raise RuntimeError(f"{what} within {timeout_s:.0f} s") from e
 
 
 async def launch_sglang_engines(
@@ -283,6 +367,7 @@ async def launch_sglang_engines(
     slots: Sequence[Any],
     *,
     run_dir: str | Path,
+    placement: Any = None,
     model_path: str | None = None,
     colocate: bool = False,
     gpu_fraction: float | None = None,
@@ -291,44 +376,67 @@ async def launch_sglang_engines(
     router_host: str = "127.0.0.1",
     data: Any = None,
 ) -> SGLangEngines:
-    """Start one `SGLangServerActor` per engine slot (Ray must be initialised), wait until
-    every server is healthy, and put the router in front when `rollout.sglang.use_router`.
-
-    Each actor asks Ray for `gpu_fraction` of a GPU (default: a whole one per slot GPU when
-    separate, 0.2 when colocated with the trainer) and pins the server to the slot's GPUs."""
+    """Start one `SGLangServerActor` per engine slot (Ray must be initialised) in the slot's
+    bundle of `placement`, check that its interpreter runs an SGLang release vlmrl knows, start
+    the servers with that release's flags, wait until every one is healthy (a server that
+    dies or stays unhealthy raises with the end of its log), and put the router in front when
+    `rollout.sglang.use_router`. Every wait is bounded by `rollout.sglang.startup_timeout_s`;
+    on any failure the actors are stopped before the error is raised."""
     import ray
 
     from .client import HTTPEngine
 
     sg = rollout.sglang
-    flags = load_flags()
-    frac = gpu_fraction if gpu_fraction is not None else (0.2 if colocate else float(rollout.gpus_per_engine))
+    frac = engine_gpu_request(rollout, colocate, gpu_fraction)
+    timeout = float(sg.startup_timeout_s)
     actor_cls = ray.remote(SGLangServerActor)
-    actors, urls = [], []
+    actors = []
     for slot in slots:
-        args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host="auto",
-                           model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data)
-        actor = actor_cls.options(num_cpus=cpus_per_actor, num_gpus=frac, max_concurrency=4).remote(
-            args, slot.devices, log_path=str(Path(run_dir) / "logs" / f"sglang-{slot.index}.log"))
-        actors.append(actor)
-    urls = await asyncio.gather(*(a.start.remote() for a in actors))
-    await asyncio.gather(*(a.wait_healthy.remote(sg.startup_timeout_s) for a in actors))
-    fmt = "ipc" if colocate else "torch_save"
-    common = dict(max_concurrency=max(1, rollout.max_in_flight), timeout_s=rollout.request_timeout_s,
-                  max_retries=rollout.max_retries, tensor_format=fmt, tp_size=rollout.gpus_per_engine)
-    engines = [HTTPEngine(u, name=f"sglang-{s.index}", **common) for u, s in zip(urls, slots)]
-    out = SGLangEngines(engines=engines, actors=actors)
-    if sg.use_router and len(engines) > 1:
-        cmd = router_command(urls, host=router_host, port=sg.router_port, log_level=sg.log_level)
-        out.router = ManagedProcess(cmd, log_path=Path(run_dir) / "logs" / "sglang-router.log")
-        out.router.start()
-        out.router_url = f"http://{router_host}:{sg.router_port}"
-        router = HTTPEngine(out.router_url, name="sglang-router", **common)
-        await router.wait_healthy(sg.startup_timeout_s, is_alive=out.router.alive)
-        out.generation = [router]
-    else:
-        out.generation = list(engines)
-    await close_sessions([*engines, *out.generation])  # opened on this event loop, which ends here
+        opts: dict[str, Any] = dict(num_cpus=cpus_per_actor, num_gpus=frac, max_concurrency=4)
+        if placement is not None:
+            opts["scheduling_strategy"] = placement.strategy(placement.engine_bundles[slot.index])
+        actors.append(actor_cls.options(**opts).remote(
+            slot.devices, log_path=str(Path(run_dir) / "logs" / f"sglang-{slot.index}.log"),
+            python=sg.python, env=dict(sg.env)))
+    out = SGLangEngines(engines=[], actors=actors, placed=False)
+    try:
+        found = await _within(asyncio.gather(*(a.sglang_version.remote() for a in actors)), timeout,
+                              f"Ray did not place the {len(actors)} SGLang engine actors (each asks for {frac} GPU "
+                              f"and {cpus_per_actor} CPU in its bundle) or they could not read their sglang version")
+        out.placed = True
+        out.version = version = check_sglang_version(found, sg.version)
+        flags = load_flags(version)
+        starts = []
+        for slot, actor in zip(slots, actors):
+            args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host="auto",
+                               model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data)
+            starts.append(actor.start.remote(args, version))
+        urls = await _within(asyncio.gather(*starts), timeout, "the SGLang servers did not start")
+        # wait_healthy bounds itself and quotes the server's log when it fails
+        await asyncio.gather(*(a.wait_healthy.remote(timeout) for a in actors))
+        common = dict(max_concurrency=max(1, rollout.max_in_flight), timeout_s=rollout.request_timeout_s,
+                      max_retries=rollout.max_retries, tensor_format="ipc" if colocate else None,
+                      tp_size=rollout.gpus_per_engine, drain_timeout_s=sg.drain_timeout_s)
+        out.engines = [HTTPEngine(u, name=f"sglang-{s.index}", **common) for u, s in zip(urls, slots)]
+        reported = await asyncio.gather(*(e.server_version() for e in out.engines))
+        if set(reported) != {version}:
+            raise RuntimeError(f"the SGLang servers report versions {sorted(set(reported))}, their package {version}")
+        if sg.use_router and len(out.engines) > 1:
+            cmd = router_command(urls, host=router_host, port=sg.router_port, log_level=sg.log_level,
+                                 python=sg.python)
+            out.router = ManagedProcess(cmd, env={**os.environ, **dict(sg.env)},
+                                        log_path=Path(run_dir) / "logs" / "sglang-router.log")
+            out.router.start()
+            out.router_url = f"http://{router_host}:{sg.router_port}"
+            router = HTTPEngine(out.router_url, name="sglang-router", **common)
+            await router.wait_healthy(timeout, is_alive=out.router.alive)
+            out.generation = [router]
+        else:
+            out.generation = list(out.engines)
+        await close_sessions([*out.engines, *out.generation])  # opened on this event loop, which ends here
+    except BaseException:
+        await out.shutdown()
+        raise
     return out
 
 
@@ -343,27 +451,30 @@ def _generated_by(cmd: str, source: str, out: str, version: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlmrl.rollout.sglang")
     sub = p.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("flags", help="write sglang_flags.txt from an SGLang wheel or package directory")
+    f = sub.add_parser("flags", help="write an SGLang release's flag list from its wheel or package directory")
     f.add_argument("--source", required=True, help="sglang-*.whl (pip download --no-deps sglang) or site-packages dir")
-    f.add_argument("--out", default=str(FLAGS_FILE))
+    f.add_argument("--out", default=None, help="default: vlmrl/rollout/contracts/sglang-<version>.flags.txt")
     c = sub.add_parser("command", help="print the launch command of every engine for a config")
     c.add_argument("overrides", nargs="*")
-    from .sglang_contract import CONTRACT_FILE, format_contract, scan_contract
+    from .sglang_contract import format_contract, scan_contract
+    from .sglang_flags import contract_file
 
-    k = sub.add_parser("contract", help="write sglang_contract.json (SGLang's HTTP API) from a wheel or package dir")
+    k = sub.add_parser("contract", help="write an SGLang release's HTTP contract from its wheel or package dir")
     k.add_argument("--source", required=True, help="sglang-*.whl (pip download --no-deps sglang) or site-packages dir")
-    k.add_argument("--out", default=str(CONTRACT_FILE))
+    k.add_argument("--out", default=None, help="default: vlmrl/rollout/contracts/sglang-<version>.json")
     args = p.parse_args(argv)
     if args.cmd == "contract":
         contract = scan_contract(args.source)
-        cmd = _generated_by("contract", args.source, args.out, contract["sglang_version"])
-        Path(args.out).write_text(format_contract(contract, cmd))
-        print(f"wrote {args.out}: {len(contract['endpoints'])} endpoints of sglang {contract['sglang_version']}")
+        out = args.out or str(contract_file(contract["sglang_version"]))
+        cmd = _generated_by("contract", args.source, out, contract["sglang_version"])
+        Path(out).write_text(format_contract(contract, cmd))
+        print(f"wrote {out}: {len(contract['endpoints'])} endpoints of sglang {contract['sglang_version']}")
         return 0
     if args.cmd == "flags":
         flags = scan_sglang_source(args.source)
-        Path(args.out).write_text(format_flags(flags, _generated_by("flags", args.source, args.out, flags.version)))
-        print(f"wrote {args.out}: {len(flags.fields)} fields of sglang {flags.version}")
+        out = args.out or str(flags_file(flags.version))
+        Path(out).write_text(format_flags(flags, _generated_by("flags", args.source, out, flags.version)))
+        print(f"wrote {out}: {len(flags.fields)} fields of sglang {flags.version}")
         return 0
     from ..config import compute_layout, load
 

@@ -1,0 +1,119 @@
+"""Starting SGLang engines under Ray, up to where a GPU and SGLang itself are needed: each
+engine actor sits in its placement-group bundle, waits are bounded, a missing or unknown
+SGLang release is refused by name, and nothing is left running after a failure. (The real
+server: tests/gpu/test_sglang_gpu.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from vlmrl.config.layout import EngineSlot
+from vlmrl.rollout.sglang import check_sglang_version, engine_gpu_request, installed_sglang_version
+
+
+def _cfg(tmp_path, *extra):
+    from vlmrl.config import load
+
+    return load([f"run_dir={tmp_path}", "rollout=sglang", "model=tiny_qwen3_5_moe", "cluster.num_cpu_ranks=1",
+                 "rollout.sglang.startup_timeout_s=8", *extra], check_rules=False)
+
+
+@pytest.fixture(scope="module")
+def ray_cpu():
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _placement(ray, bundles):
+    from ray.util.placement_group import placement_group
+
+    from vlmrl.cluster.placement import Placement
+
+    group = placement_group(bundles, strategy="PACK")
+    ray.get(group.ready(), timeout=60)
+    return Placement(group, trainer_bundles=[], engine_bundles=list(range(len(bundles))))
+
+
+def test_versions_are_read_without_import_and_checked_against_the_contracts():
+    from vlmrl.rollout.sglang_contract import known_versions
+
+    with pytest.raises(RuntimeError, match="sglang is not installed for"):
+        installed_sglang_version(sys.executable)
+    newest = known_versions()[-1]
+    assert check_sglang_version([newest, newest], None) == newest
+    assert check_sglang_version([newest], newest) == newest
+    with pytest.raises(ValueError, match="different releases"):
+        check_sglang_version(list(known_versions()[:2]), None) if len(known_versions()) > 1 else \
+            check_sglang_version(["0.0.1", newest], None)
+    with pytest.raises(ValueError, match="rollout.sglang.version=0.5.17"):
+        check_sglang_version(["0.5.23"], "0.5.17")
+    with pytest.raises(ValueError, match=r"sglang 0\.5\.20 is not a release vlmrl has run.*tested: " +
+                       ", ".join(v.replace(".", r"\.") for v in known_versions())):
+        check_sglang_version(["0.5.20"], None)
+
+
+def test_engine_actors_ask_for_a_share_of_their_bundle(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert engine_gpu_request(cfg.rollout, colocate=True) == 0.2  # beside a trainer rank's 0.5
+    assert engine_gpu_request(cfg.rollout, colocate=False) == 1.0  # its bundle (one GPU) whole
+
+
+def test_an_actor_ray_cannot_place_fails_within_the_startup_timeout(tmp_path, ray_cpu):
+    """The engine's bundle is taken (here by another actor holding its CPU): Ray keeps the
+    engine actor pending, and the launch says so after rollout.sglang.startup_timeout_s instead
+    of waiting forever."""
+    from vlmrl.rollout.sglang import launch_sglang_engines
+
+    cfg = _cfg(tmp_path)
+    placement = _placement(ray_cpu, [{"CPU": 1}])
+
+    @ray_cpu.remote(num_cpus=1)
+    class Holder:
+        def ready(self):
+            return True
+
+    holder = Holder.options(scheduling_strategy=placement.strategy(0)).remote()
+    assert ray_cpu.get(holder.ready.remote(), timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"Ray did not place the 1 SGLang engine actors \(each asks for 0.0 GPU"):
+        asyncio.run(launch_sglang_engines(cfg.rollout, cfg.hardware, cfg.model, [EngineSlot(0, 0, ())],
+                                          run_dir=tmp_path, placement=placement, colocate=True,
+                                          gpu_fraction=0.0, cpus_per_actor=0.5))
+    assert time.monotonic() - t0 < 60
+    ray_cpu.kill(holder)
+    ray_cpu.util.remove_placement_group(placement.group)
+
+
+def test_an_interpreter_without_sglang_is_refused_by_name_in_its_bundle(tmp_path, ray_cpu):
+    """Placed in its bundle (no GPU asked for here), the actor asks `rollout.sglang.python` for
+    its sglang release: none is installed on this machine, and the error names the interpreter
+    and the setting; the actor is gone afterwards."""
+    from vlmrl.rollout.sglang import launch_sglang_engines
+
+    cfg = _cfg(tmp_path, f"rollout.sglang.python={sys.executable}")
+    placement = _placement(ray_cpu, [{"CPU": 1}])
+    with pytest.raises(RuntimeError, match=r"sglang is not installed for .*rollout\.sglang\.python"):
+        asyncio.run(launch_sglang_engines(cfg.rollout, cfg.hardware, cfg.model, [EngineSlot(0, 0, ())],
+                                          run_dir=tmp_path, placement=placement, colocate=True,
+                                          gpu_fraction=0.0, cpus_per_actor=0.5))
+    # the engine actor is gone: the whole bundle can be taken again
+
+    @ray_cpu.remote(num_cpus=1)
+    class Whole:
+        def ready(self):
+            return True
+
+    whole = Whole.options(scheduling_strategy=placement.strategy(0)).remote()
+    assert ray_cpu.get(whole.ready.remote(), timeout=30)
+    ray_cpu.kill(whole)
+    ray_cpu.util.remove_placement_group(placement.group)
