@@ -113,6 +113,11 @@ def test_dataset_name_env_override(monkeypatch):
     assert load(["data=geo3k"]).data.path == "/data/geo3k_local"
 
 
+# 40 Qwen3.5 layer kinds with full attention at layers 0, 4, ...: no full-attention interval
+# (layer l is full attention when (l + 1) % interval == 0) describes them; every 4th layer does
+NO_INTERVAL = ",".join((["full_attention"] + ["linear_attention"] * 3) * 10)
+EVERY_4TH = ",".join((["linear_attention"] * 3 + ["full_attention"]) * 10)
+
 INVALID = [
     ([*REFERENCE, "parallel.tp=3"], "world-size", "tp*pp*cp"),
     ([*REFERENCE, "model.lm.num_attention_heads=12", "model.lm.num_query_groups=3"], "tp-kv-groups",
@@ -153,6 +158,8 @@ INVALID = [
     ([*REFERENCE, "rollout.gpus_per_engine=3"], "engine-gpus", "gpus_per_engine=3"),
     ([*REFERENCE, "rollout.sglang.ep_size=3"], "engine-gpus", "ep_size=3"),
     ([*REFERENCE, "rollout.sglang.mem_fraction_static=1.5"], "engine-memory", "(0, 1)"),
+    ([*REFERENCE, f"model.lm.layer_types=[{NO_INTERVAL}]"], "sglang-layer-types",
+     f"model.lm.layer_types=[{EVERY_4TH}] (interval 4)"),
     (["algo.n_samples_per_prompt=1"], "grpo-group", "at least 2"),
     (["rollout.batch_size=3", "trainer.global_batch_size=16"], "batch-size", "global_batch_size=16"),
     (["algo.eps_clip_high=0.1"], "clip-range", "eps_clip_high"),
@@ -185,6 +192,22 @@ def test_tp_wider_than_the_kv_groups_is_valid():
         assert cfg.parallel.tp == tp and cfg.model.lm.num_query_groups == 2
         text = render_plan(cfg)
         assert f"tp {tp} > 2 KV groups" in text and f"{16 // tp} query heads" in text
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3_5", "tiny_qwen3_5_moe"])
+def test_sglang_needs_qwen35_layer_kinds_of_one_interval(model):
+    """SGLang derives Qwen3.5 layer kinds from one full-attention interval: other layouts are
+    refused under rollout=sglang, with the override of the nearest interval; the embedded
+    engine (transformers, which reads layer_types) takes them."""
+    layout = "model.lm.layer_types=[full_attention,linear_attention,linear_attention,linear_attention]"
+    with pytest.raises(ConfigError) as err:
+        load([*GPU, f"model={model}", layout])
+    assert err.value.rules == ["sglang-layer-types"], str(err.value)
+    msg = str(err.value)
+    assert "full attention at layers [0] of 4" in msg and "rollout=embedded" in msg
+    assert "model.lm.layer_types=[linear_attention,linear_attention,linear_attention,full_attention] (interval 4)" in msg
+    assert load([f"model={model}", layout]).rollout.name == "embedded"
+    load([*GPU, f"model={model}"])  # the option's own layout: every 4th layer
 
 
 def test_all_violations_reported_together():

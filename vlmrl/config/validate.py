@@ -215,6 +215,23 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         if not 0 < r.sglang.mem_fraction_static < 1:
             fail("engine-memory", f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} "
                  "must be in (0, 1)")
+        if m.family in ("qwen3_5", "qwen3_5_moe") and len(lm.layer_types) == lm.num_layers:
+            from ..models.sglang_checkpoint import (
+                closest_interval,
+                full_attention_interval,
+                layer_types_override,
+                sglang_layer_types,
+            )
+
+            if full_attention_interval(lm.layer_types) is None:
+                k = closest_interval(lm.layer_types)
+                full = [i for i, t in enumerate(lm.layer_types) if t == "full_attention"]
+                fail("sglang-layer-types", f"model.lm.layer_types (full attention at layers {full} of "
+                     f"{lm.num_layers}) follows no interval: SGLang "
+                     "builds Qwen3.5 layers from one full_attention_interval (layer l is full attention when "
+                     "(l + 1) % interval == 0) and would serve other layers than the trainer's. Set "
+                     f"{layer_types_override(sglang_layer_types(k, lm.num_layers))} (interval {k}), or use "
+                     "rollout=embedded")
         from ..rollout.sglang_flags import load_flags
 
         flags = load_flags()

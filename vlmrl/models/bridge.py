@@ -236,7 +236,8 @@ def checkpoint_mismatches(model: ModelConfig, hf: Any) -> list[str]:
 def check_checkpoint(model: ModelConfig, path: str) -> None:
     """Raise ValueError naming every key where `model` and the checkpoint at `path` (a local
     directory or a hub id) disagree: the Megatron model is built from the config and the
-    weights come from the checkpoint, so they must describe the same architecture."""
+    weights come from the checkpoint, so they must describe the same architecture. (What SGLang
+    builds from the checkpoint, with rollout=sglang: `sglang_checkpoint.check_sglang_checkpoint`.)"""
     from transformers import AutoConfig
 
     bad = checkpoint_mismatches(model, AutoConfig.from_pretrained(path))

@@ -7,7 +7,9 @@ processor config and the processor config, with the family's transformers classe
 (Qwen2.5-VL, Qwen3.5, Qwen3.5-MoE). Everything downstream loads it with `from_pretrained`,
 exactly like a downloaded model. `model=tiny` (Qwen2.5-VL), `model=tiny_qwen3_5` and
 `model=tiny_qwen3_5_moe` with an empty `model.path` build theirs on first use under
-`model.cache_dir`.
+`model.cache_dir`. A Qwen3.5 config.json also carries the keys published Qwen3.5 configs carry
+beyond transformers' fields (`full_attention_interval`, `deepstack_visual_indexes: []`, ...),
+which SGLang reads (`vlmrl.models.sglang_checkpoint`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ from typing import Any
 
 from ..config.schema import ModelConfig
 from .processor import image_only, save_processor
+from .sglang_checkpoint import (
+    QWEN3_5_FAMILIES,
+    QWEN3_5_TEXT_KEYS,
+    QWEN3_5_VISION_KEYS,
+    closest_interval,
+    full_attention_interval,
+    layer_types_override,
+    sglang_layer_types,
+)
 
 # Special tokens take the first ids, in this order; model/tiny.yaml names three of them.
 SPECIAL_TOKENS = (
@@ -68,6 +79,9 @@ CHAT_TEMPLATE = (
 )
 
 MAKER_VERSION = 1  # bump when the files written here change (Qwen2.5-VL's: cache keys)
+# the Qwen3.5 families' own revision of their files (part of their cache keys only):
+# 2 = config.json carries the keys published Qwen3.5 configs carry and SGLang reads
+QWEN3_5_REVISION = 2
 
 
 def _corpus(seed: int = 0, n: int = 4000) -> list[str]:
@@ -131,7 +145,30 @@ def hf_config(model: ModelConfig) -> Any:
     text.eos_token_id = SPECIAL_TOKENS.index("<|im_end|>")
     text.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
     config.video_token_id = SPECIAL_TOKENS.index("<|video_pad|>")
+    if model.family in QWEN3_5_FAMILIES:
+        _add_published_qwen3_5_keys(model, config)
     return config
+
+
+def _add_published_qwen3_5_keys(model: ModelConfig, config: Any) -> None:
+    """The keys published Qwen3.5 configs carry beyond transformers' fields, which SGLang reads
+    (`vlmrl.models.sglang_checkpoint`): transformers' classes keep them as plain attributes,
+    write them to config.json and build the same model with or without them."""
+    text = config.text_config
+    types = list(text.layer_types)
+    interval = full_attention_interval(types)
+    if interval is None:
+        k = closest_interval(types)
+        raise ValueError(
+            f"model.lm.layer_types={types} (model={model.name}: conf/model/{model.name}.yaml or an override) "
+            "follows no full_attention_interval, by which published Qwen3.5 configs and SGLang describe the "
+            "layer kinds (layer l is full attention when (l + 1) % interval == 0); e.g. "
+            f"{layer_types_override(sglang_layer_types(k, len(types)))} (interval {k})")
+    text.full_attention_interval = interval
+    for key, value in QWEN3_5_TEXT_KEYS.items():
+        setattr(text, key, value)
+    for key, value in QWEN3_5_VISION_KEYS.items():
+        setattr(config.vision_config, key, list(value) if isinstance(value, list) else value)
 
 
 # Gated DeltaNet decay rates of the tiny models: A = exp(A_log) ~ U(A_MIN, A_MAX). transformers
@@ -218,6 +255,7 @@ def _fingerprint(model: ModelConfig, seed: int, min_pixels: int, max_pixels: int
     if model.family != "qwen2_5_vl":  # (keeps the cache keys of existing Qwen2.5-VL tiny models)
         arch["family"] = model.family
         arch["gdn_decay"] = [A_MIN, A_MAX]
+        arch["revision"] = QWEN3_5_REVISION
     return hashlib.sha256(json.dumps(arch, sort_keys=True, default=list).encode()).hexdigest()[:10]
 
 
