@@ -172,6 +172,9 @@ class Loop:
         self._trained_since_sync = False
         self.engine_restarts = 0
         self.model_path: str | None = None
+        # colocated: who holds the GPUs' memory in each phase (None when nothing is shared)
+        self.colo: Any = None
+        self.last_sync_bytes = 0  # bytes the last weight sync sent each engine
 
     # ------------------------------------------------------------ components
     def _resolve_model(self) -> None:
@@ -180,6 +183,10 @@ class Loop:
 
         self.model_path = model_path(self.cfg)
         check_checkpoint(self.cfg.model, self.model_path)
+        if self.cfg.rollout.name == "sglang":  # what SGLang builds from its config.json, too
+            from .models.sglang_checkpoint import check_sglang_checkpoint
+
+            check_sglang_checkpoint(self.cfg.model, self.model_path, sglang_version=self.cfg.rollout.sglang.version)
 
     def _setup(self) -> None:
         """The driver's own components: processor, prompt data, reward workers."""
@@ -216,8 +223,10 @@ class Loop:
 
             self.sglang = asyncio.run(launch_sglang_engines(
                 cfg.rollout, cfg.hardware, cfg.model, compute_layout(cfg).engines(cfg), run_dir=self.run_dir,
-                model_path=self.model_path, colocate=cfg.cluster.colocate, cpus_per_actor=cfg.cluster.cpus_per_actor,
-                seed=cfg.seed, data=cfg.data))
+                placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
+                cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data))
+            print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
+                  f"{', '.join(e.base_url for e in self.sglang.engines)}")
             engines = self.sglang.generation  # the router when there is one
             self.admin_engines = self.sglang.engines  # every server: memory, cache, weights
             self.engine_actors = [e.base_url for e in self.sglang.engines]  # weight-sync targets
@@ -245,7 +254,7 @@ class Loop:
             scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[i]),
             torch_threads=cpu_threads(cfg, "engine", available_cores()),
             min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
-            max_batch_size=cfg.rollout.embedded.max_batch_size)
+            max_batch_size=cfg.rollout.embedded.max_batch_size, sglang_version=cfg.rollout.embedded.sglang_version)
 
     def _embedded_endpoint(self, i: int) -> tuple[Any, Any]:
         """(weight-sync target, Engine) of embedded engine i: its actor and direct Ray calls,
@@ -261,7 +270,8 @@ class Loop:
 
         url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port))
         return url, HTTPEngine(url, name=f"embedded-{i}", max_concurrency=cfg.rollout.max_in_flight,
-                               timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries)
+                               timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
+                               drain_timeout_s=cfg.rollout.sglang.drain_timeout_s)
 
     async def _restart_engine(self, i: int) -> None:
         import asyncio
@@ -284,6 +294,7 @@ class Loop:
             ray.get(actor.stop.remote())
             ray.get(actor.start.remote())
             ray.get(actor.wait_healthy.remote(cfg.rollout.sglang.startup_timeout_s))
+            self.admin_engines[i].rebase(self.admin_engines[i].base_url)  # a new server: all its memory, no gate
         else:
             try:
                 ray.kill(self._embedded[i], no_restart=True)
@@ -302,7 +313,17 @@ class Loop:
         version = self.engine_version + ("+" if self._trained_since_sync else "")
         bucket = max(int(cfg.rollout.weight_update_bucket_mb), 1) << 20
         targets = self.engine_actors if http else [self.engine_actors[i]]
+        offloaded = self.colo is not None and not self.colo.now.trainer
+        if offloaded:
+            # the new server holds all its memory: it gives back its KV cache and graphs while
+            # the trainer comes back on the GPU to send it the current weights (the other engines
+            # keep theirs: with several colocated engines the onload needs room beside them)
+            self._engine_call(i, "release_memory_occupation", ["kv_cache", "cuda_graph"])
+            self.trainer.onload()
         self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=http)
+        if offloaded:
+            self.trainer.offload()
+            self._engine_call(i, "resume_memory_occupation", ["cuda_graph", "kv_cache"])
 
     # ------------------------------------------------------------ checkpoints
     def _resume_from(self) -> Path | None:
@@ -321,6 +342,7 @@ class Loop:
     def _restore(self, path: Path) -> None:
         from .training.checkpoint import read_loop_state
 
+        self._need_trainer()
         self.trainer.load(str(path))
         state = read_loop_state(path)
         self.state = LoopState(**state)
@@ -333,6 +355,7 @@ class Loop:
         path = checkpoint_dir(self.run_dir / CHECKPOINT_DIR, self.state.sft_steps_done + self.state.step)
         # an overlapped rollout already drew its prompts: a resumed run draws them again
         self.state.data = self._data_before_next if self._next is not None else self.train_data.state_dict()
+        self._need_trainer()
         self.trainer.save(str(path), {"rl_step": self.state.step})
         write_loop_state(path, dataclasses.asdict(self.state))
         return path
@@ -358,10 +381,59 @@ class Loop:
 
         asyncio.run(call_all())
 
+    def _engine_call(self, i: int, method: str, *args: Any) -> None:
+        import asyncio
+
+        from .rollout.manager import close_sessions
+
+        async def call() -> None:
+            try:
+                await getattr(self.admin_engines[i], method)(*args)
+            finally:
+                await close_sessions([self.admin_engines[i]])
+
+        asyncio.run(call())
+
+    # ------------------------------------------------------------ colocation
+    def _offload(self) -> bool:
+        """Whether the trainer leaves the GPU while colocated engines generate
+        (`trainer.offload`; null: exactly when colocated on GPUs)."""
+        cfg = self.cfg
+        if cfg.trainer.offload is not None:
+            return bool(cfg.trainer.offload)
+        return bool(cfg.cluster.colocate and cfg.hardware.device == "cuda")
+
+    def _release_engines(self, tags: tuple[str, ...]) -> None:
+        """Engines give back `tags` (each drains its requests first); a router in front of
+        them stops taking requests too."""
+        for e in self.engines:
+            if e not in self.admin_engines and hasattr(e, "hold"):
+                e.hold(tags)
+        self._engines_call("release_memory_occupation", list(tags))
+
+    def _resume_engines(self, tags: tuple[str, ...]) -> None:
+        self._engines_call("resume_memory_occupation", list(tags))
+        for e in self.engines:
+            if e not in self.admin_engines and hasattr(e, "unhold"):
+                e.unhold(tags)
+
+    def _phase(self, name: str) -> None:
+        """Colocated: move device memory to phase `name` (see vlmrl.cluster.colocation)."""
+        if self.colo is not None:
+            self.colo.to(name)
+
+    def _need_trainer(self) -> None:
+        """The trainer's state on the GPU (checkpoints, exports): as in training, unless it is
+        there already."""
+        if self.colo is not None and not self.colo.now.trainer:
+            self.colo.to("train")
+
     def _sync_weights(self, version: str) -> float:
+        self._phase("sync")
         t0 = time.perf_counter()
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
-        self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket, weight_version=version)
+        self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket,
+                                                             weight_version=version) or 0)
         self.engine_version = version  # every sample generated from now on should report it
         self._trained_since_sync = False
         return time.perf_counter() - t0
@@ -370,6 +442,7 @@ class Loop:
     def evaluate(self) -> dict[str, float]:
         from .logging.keys import eval_key, eval_mean_reward_key
 
+        self._phase("generate")
         prompts = list(self.test_data)
         if self.cfg.rollout.eval.max_prompts:
             prompts = prompts[: self.cfg.rollout.eval.max_prompts]
@@ -389,6 +462,7 @@ class Loop:
         while self.state.sft_steps_done < steps:
             t0 = time.perf_counter()
             samples = sft_samples(self.processor, self.train_data.sample_batch(bs))
+            self._phase("train")
             self._trained_since_sync = True
             m = self.trainer.sft_step(samples)
             self.state.sft_steps_done += 1
@@ -407,6 +481,7 @@ class Loop:
         """Sample the step's prompts and generate their groups (a worker thread runs this
         while the trainer trains in async mode)."""
         t0 = time.perf_counter()
+        self._phase("generate")
         prompts = self.train_data.sample_batch(self.cfg.rollout.batch_size)
         batch = self.rollout.run([rollout_prompt(p) for p in prompts], step=step)
         return prompts, batch, time.perf_counter() - t0
@@ -414,11 +489,6 @@ class Loop:
     def rl_step(self) -> dict[str, float]:
         from .algo import compute_advantages
         from .logging import keys as mk
-        from .rollout.protocol import (
-            COLOCATED_RELEASE,
-            COLOCATED_RESUME_AFTER_SYNC,
-            COLOCATED_RESUME_BEFORE_SYNC,
-        )
 
         cfg, state = self.cfg, self.state
         n = cfg.algo.n_samples_per_prompt
@@ -447,13 +517,13 @@ class Loop:
                                          {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
 
         t_train = time.perf_counter()
-        if cfg.cluster.colocate:  # the engines give their GPU memory (weights, KV cache, graphs) to the trainer ...
-            self._engines_call("release_memory_occupation", list(COLOCATED_RELEASE))
+        self._phase("train")  # colocated: the engines give their GPU memory to the trainer
         gbs = cfg.trainer.global_batch_size
         steps = max(len(samples) // gbs, 1) if samples else 0
         per = -(-len(samples) // steps) if steps else 0
         order = list(range(len(samples)))
         random.Random(cfg.seed + state.step).shuffle(order)
+        t_logprob = time.perf_counter()
         if cfg.cluster.async_rollout or steps > 1:
             # PPO's old policy: the trainer's weights before this step's first update. In async
             # mode the samples came from the weights of one sync earlier: the engine's logprobs
@@ -461,19 +531,18 @@ class Loop:
             # train/train_rollout_logprob_abs_diff measures that gap.
             for s, lp in zip(samples, self.trainer.logprobs(samples)):
                 s.old_logprobs = lp.tolist()
+        logprob_time = time.perf_counter() - t_logprob
         train_metrics: list[dict[str, float]] = []
         for k in range(steps):
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
             self._trained_since_sync = True
             train_metrics.append(self.trainer.train_step(chunk))
-        if cfg.cluster.colocate:  # ... take the weights' memory back to receive the new weights ...
-            self._engines_call("resume_memory_occupation", list(COLOCATED_RESUME_BEFORE_SYNC))
         train_time = time.perf_counter() - t_train
         if pending is not None:  # engines finish the overlapped rollout before taking new weights
             self._next = pending.result()
+        # colocated: the engines take their weights back to receive the new ones; KV cache and
+        # graphs return (and the trainer leaves) when the next rollout or eval needs them
         sync_time = self._sync_weights(f"step-{state.step + 1}")
-        if cfg.cluster.colocate:  # ... and the graphs and KV cache only once the sync's buffers are gone
-            self._engines_call("resume_memory_occupation", list(COLOCATED_RESUME_AFTER_SYNC))
         state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
 
         metrics = rollout_metrics(records, rewards)
@@ -489,6 +558,8 @@ class Loop:
         metrics.update({
             mk.PERF_ROLLOUT_TIME: t_rollout, mk.PERF_TRAIN_TIME: train_time, mk.PERF_UPDATE_WEIGHTS_TIME: sync_time,
             mk.PERF_STEP_TIME: step_time, mk.PERF_TOKENS_PER_GPU_PER_SEC: tokens / max(step_time, 1e-9) / devices,
+            mk.PERF_LOGPROB_TIME: logprob_time,
+            mk.PERF_UPDATE_WEIGHTS_GB_PER_S: self.last_sync_bytes / max(sync_time, 1e-9) / 1e9,
             "rollout/dropped_groups": batch.stats.dropped_groups,
             "rollout/retries": batch.stats.retries,
             "rollout/engine_restarts": batch.stats.engine_restarts,
@@ -500,6 +571,12 @@ class Loop:
             "rollout/reward_errors": self.pool.stats.errors,
             "data/skipped_rows": self.train_data.skips.total,
         })
+        if self.colo is not None:  # this step's moves of device memory (the next rollout's included)
+            moved = self.colo.take_seconds()
+            metrics.update({mk.PERF_OFFLOAD_TIME: moved.get("offload", 0.0),
+                            mk.PERF_ONLOAD_TIME: moved.get("onload", 0.0),
+                            mk.PERF_ENGINE_RELEASE_TIME: moved.get("release", 0.0),
+                            mk.PERF_ENGINE_RESUME_TIME: moved.get("resume", 0.0)})
         return metrics
 
     # ------------------------------------------------------------ driver
@@ -534,11 +611,20 @@ class Loop:
             self.placement = create_placement(cfg, compute_layout(cfg))
             # The trainer ranks start up (processes, imports, Megatron, the model) while the
             # engines launch and the driver loads its processor, data, reward workers and
-            # logger. Colocated engines take their share of the GPUs' memory first.
+            # logger. Colocated engines start first (SGLang sizes its KV cache from the free
+            # memory it finds), then give all of it back while the trainer builds its model
+            # and optimizer.
             if cfg.cluster.colocate:
                 self._start_engines()
+                from .cluster.colocation import Colocation
+
+                self.colo = Colocation(release=self._release_engines, resume=self._resume_engines,
+                                       offload=self._offload())
+                self.colo.to("train")
             self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,
                                         wait=False)  # returns once the ranks are requested
+            if self.colo is not None:
+                self.colo.trainer = self.trainer
             if not cfg.cluster.colocate:
                 self._start_engines()
             self._setup()
@@ -546,6 +632,8 @@ class Loop:
             self.logger = logger = stack.enter_context(MetricsLogger(
                 self.run_dir, cfg.logger, dataclasses.asdict(cfg), self.run_dir.name, resume_step=resume_step))
             self.trainer.wait_ready()
+            if self.colo is not None:
+                self.colo.trainer_started()
             if resume is not None:
                 self._restore(resume)
                 self._sync_weights(f"resume-{resume_step}")
@@ -617,6 +705,7 @@ class Loop:
 
         out = self.run_dir / "hf"
         out.mkdir(parents=True, exist_ok=True)
+        self._need_trainer()
         state = {k: v.contiguous() for k, v in self.trainer.export_hf().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         import shutil

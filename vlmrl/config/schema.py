@@ -285,6 +285,11 @@ class TrainerConfig(Sealable):
     global_batch_size: int = 16  # samples per optimizer step
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_distributed_optimizer: bool = True
+    # Colocated on GPUs: the trainer's weights, gradients and optimizer state leave the GPU
+    # (torch_memory_saver keeps their addresses, so compiled CUDA graphs stay valid) while the
+    # engines generate, and come back for training and the weight sync; null: on exactly when
+    # the trainer shares its GPUs with the engines (cluster.colocate on hardware with GPUs)
+    offload: bool | None = None
     # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
     moe_aux_loss_coeff: float = 0.0
     # Passed verbatim to Megatron's TransformerConfig (not re-declared one by one).
@@ -312,6 +317,18 @@ class SGLangConfig(Sealable):
     base_port: int = 15000
     log_level: str = "warning"
     startup_timeout_s: float = 900.0
+    # the SGLang release the engines run; null: read from the installed package of
+    # `python` at launch. vlmrl speaks each release's protocol from the contract generated
+    # from its source (vlmrl/rollout/contracts) and refuses a release it has none for.
+    version: str | None = None
+    # the interpreter that runs `-m sglang.launch_server` (SGLang pins its own torch and
+    # transformers, so it may live in an environment of its own); null: the trainer's
+    python: str | None = None
+    # extra environment of the server processes (e.g. PYTHONPATH of that environment)
+    env: dict[str, str] = field(default_factory=dict)
+    # before releasing an engine's memory: wait at most this long for its requests to end
+    # (SGLang refuses a release while any request runs)
+    drain_timeout_s: float = 300.0
     # SGLang samples with each request's sampling_seed only under its deterministic
     # inference mode (slower kernels); without it the same seed does not give the same
     # samples, so rollouts are not reproducible and a resumed run draws new ones
@@ -330,6 +347,9 @@ class EmbeddedEngineConfig(Sealable):
     serve_http: bool = False
     host: str = "127.0.0.1"  # where the HTTP server listens ("auto": the actor's node address)
     port: int = 0  # 0: a free port
+    # the SGLang release whose protocol the HTTP server speaks (its contract in
+    # vlmrl/rollout/contracts); null: the newest one vlmrl has a contract for
+    sglang_version: str | None = None
 
 
 @dataclass

@@ -84,6 +84,13 @@ PERF_TRAIN_TIME = "perf/train_time"
 PERF_UPDATE_WEIGHTS_TIME = "perf/update_weights_time"
 PERF_STEP_TIME = "perf/step_time"
 PERF_TOKENS_PER_GPU_PER_SEC = "perf/tokens_per_gpu_per_sec"
+PERF_UPDATE_WEIGHTS_GB_PER_S = "perf/update_weights_gb_per_s"  # bytes sent to each engine / sync time
+PERF_LOGPROB_TIME = "perf/logprob_time"  # the trainer's old-policy logprob pass (part of train_time)
+# colocated moves of device memory between trainer and engines (vlmrl.cluster.colocation)
+PERF_OFFLOAD_TIME = "perf/offload_time"
+PERF_ONLOAD_TIME = "perf/onload_time"
+PERF_ENGINE_RELEASE_TIME = "perf/engine_release_time"
+PERF_ENGINE_RESUME_TIME = "perf/engine_resume_time"
 
 # Every fixed key (eval keys depend on the dataset names: see eval_key).
 ROLLOUT_KEYS = (ROLLOUT_RAW_REWARD, ROLLOUT_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_TRUNCATED_RATIO)
@@ -103,6 +110,12 @@ PERF_KEYS = (
     PERF_UPDATE_WEIGHTS_TIME,
     PERF_STEP_TIME,
     PERF_TOKENS_PER_GPU_PER_SEC,
+    PERF_UPDATE_WEIGHTS_GB_PER_S,
+    PERF_LOGPROB_TIME,
+    PERF_OFFLOAD_TIME,
+    PERF_ONLOAD_TIME,
+    PERF_ENGINE_RELEASE_TIME,
+    PERF_ENGINE_RESUME_TIME,
 )
 RESERVED_KEYS = ("step", "time")
 

@@ -1,0 +1,85 @@
+"""Who holds the GPU's memory in each colocated phase, and the calls between phases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vlmrl.cluster.colocation import ALL_TAGS, PHASES, Colocation, Residency, phase, plan
+
+
+def _apply(now: Residency, steps) -> Residency:
+    for kind, tags in steps:
+        if kind == "release":
+            assert set(tags) <= now.engine, (now, kind, tags)
+            now = Residency(now.engine - set(tags), now.trainer)
+        elif kind == "resume":
+            assert not set(tags) & now.engine, (now, kind, tags)
+            now = Residency(now.engine | set(tags), now.trainer)
+        elif kind == "offload":
+            assert now.trainer
+            now = Residency(now.engine, False)
+        else:
+            assert not now.trainer
+            now = Residency(now.engine, True)
+    return now
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_every_transition_reaches_its_phase_and_frees_before_it_takes(offload):
+    names = list(PHASES)
+    for a, b in itertools.product(names, names):
+        now, target = phase(a, offload=offload), phase(b, offload=offload)
+        steps = plan(now, target)
+        assert _apply(now, steps) == target
+        kinds = [k for k, _ in steps]
+        frees = [i for i, k in enumerate(kinds) if k in ("release", "offload")]
+        takes = [i for i, k in enumerate(kinds) if k in ("resume", "onload")]
+        assert not frees or not takes or max(frees) < min(takes), (a, b, steps)
+        if a == b:
+            assert steps == []
+
+
+def test_the_step_s_moves():
+    """A colocated step with offload: rollout -> train -> sync -> next rollout."""
+    gen, train, sync = (phase(n, offload=True) for n in ("generate", "train", "sync"))
+    assert plan(gen, train) == [("release", ("kv_cache", "weights", "cuda_graph")), ("onload", ())]
+    assert plan(train, sync) == [("resume", ("weights",))]
+    # the trainer leaves before the KV cache and graphs come back, weights stay put
+    assert plan(sync, gen) == [("offload", ()), ("resume", ("cuda_graph", "kv_cache"))]
+    # without offload the trainer stays; the engine's moves are the same
+    gen, sync = phase("generate", offload=False), phase("sync", offload=False)
+    assert plan(sync, gen) == [("resume", ("cuda_graph", "kv_cache"))]
+
+
+def test_colocation_calls_in_order_and_starts_without_a_trainer():
+    calls = []
+
+    class Trainer:
+        def offload(self):
+            calls.append(("offload",))
+            return {"bytes": 10}
+
+        def onload(self):
+            calls.append(("onload",))
+            return {"bytes": 10}
+
+    colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),
+                      offload=True)
+    assert colo.now == Residency(ALL_TAGS, trainer=False)
+    colo.to("train")  # before the trainer exists: the engines make room, nothing else
+    assert calls == [("release", ("kv_cache", "weights", "cuda_graph"))]
+    colo.trainer = Trainer()
+    colo.trainer_started()
+    calls.clear()
+    colo.to("generate")
+    colo.to("generate")
+    assert calls == [("offload",), ("resume", ("weights", "cuda_graph", "kv_cache"))]
+    calls.clear()
+    colo.to("sync")
+    assert calls == [("release", ("kv_cache", "cuda_graph")), ("onload",)]
+    assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0}
+    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload"} and colo.take_seconds() == {}
+    with pytest.raises(ValueError, match="unknown phase"):
+        colo.to("evaluate")

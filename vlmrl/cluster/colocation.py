@@ -1,0 +1,113 @@
+"""Who holds the GPUs' memory when trainer and engines share them.
+
+A colocated step moves through phases, each with its own tenants:
+
+    generate  the engines hold everything (weights, KV cache, CUDA graphs); the trainer's
+              weights, gradients and optimizer state are offloaded (`trainer.offload`)
+    train     the engines are released; the trainer is on the GPU (logprob recompute, the
+              optimizer steps, checkpoints)
+    sync      the trainer is on the GPU and the engines hold their weights only, which the
+              sync overwrites; KV cache and CUDA graphs come back after it, once the sync's
+              buffers are gone
+
+`plan(now, target)` is the pure part: the calls that move from one residency to another, the
+ones that free memory first (engine releases, the trainer's offload), then the ones that take
+it (the trainer's onload, engine resumes). `Colocation` carries them out on the engines and the
+trainer group and keeps the current residency. Without colocation nothing moves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rollout.protocol import MEMORY_TAGS
+
+
+@dataclass(frozen=True)
+class Residency:
+    """What holds device memory: the engines' resident memory tags and whether the trainer's
+    state is on the GPU."""
+
+    engine: frozenset[str]
+    trainer: bool
+
+
+ALL_TAGS = frozenset(MEMORY_TAGS)
+PHASES: dict[str, Residency] = {
+    "generate": Residency(ALL_TAGS, trainer=False),
+    "train": Residency(frozenset(), trainer=True),
+    "sync": Residency(frozenset({"weights"}), trainer=True),
+}
+# the order engines take tags back in: weights first (a sync writes into them), then the rest
+RESUME_ORDER = ("weights", "cuda_graph", "kv_cache")
+
+
+def phase(name: str, *, offload: bool) -> Residency:
+    """The residency of phase `name`; without offload the trainer never leaves the GPU."""
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; phases: {sorted(PHASES)}")
+    r = PHASES[name]
+    return r if offload else Residency(r.engine, trainer=True)
+
+
+def plan(now: Residency, target: Residency) -> list[tuple[str, tuple[str, ...]]]:
+    """The calls from `now` to `target`, in order: ("release", tags), ("offload", ()),
+    ("onload", ()), ("resume", tags). Everything that frees memory comes before anything that
+    takes it."""
+    steps: list[tuple[str, tuple[str, ...]]] = []
+    release = now.engine - target.engine
+    if release:
+        steps.append(("release", tuple(t for t in MEMORY_TAGS if t in release)))
+    if now.trainer and not target.trainer:
+        steps.append(("offload", ()))
+    if target.trainer and not now.trainer:
+        steps.append(("onload", ()))
+    resume = target.engine - now.engine
+    if resume:
+        steps.append(("resume", tuple(t for t in RESUME_ORDER if t in resume)))
+    return steps
+
+
+@dataclass
+class Colocation:
+    """Carries out `plan` on the engines (`release(tags)` / `resume(tags)`, callables that
+    reach every engine) and the trainer group (`offload()` / `onload()`), and times each kind
+    of move (`seconds`, reset by `take_seconds`)."""
+
+    release: Callable[[tuple[str, ...]], None]
+    resume: Callable[[tuple[str, ...]], None]
+    trainer: Any = None  # TrainerGroup; None until it exists (its state is then on the GPU)
+    offload: bool = False
+    now: Residency = field(default_factory=lambda: Residency(ALL_TAGS, trainer=False))
+    seconds: dict[str, float] = field(default_factory=dict)
+    moved_bytes: dict[str, float] = field(default_factory=dict)
+
+    def to(self, name: str) -> None:
+        """Move to phase `name` (a no-op when already there)."""
+        target = phase(name, offload=self.offload)
+        if self.trainer is None:  # the trainer has not started: only the engines move
+            target = Residency(target.engine, trainer=self.now.trainer)
+        for kind, tags in plan(self.now, target):
+            t0 = time.perf_counter()
+            if kind == "release":
+                self.release(tags)
+                self.now = Residency(self.now.engine - set(tags), self.now.trainer)
+            elif kind == "resume":
+                self.resume(tags)
+                self.now = Residency(self.now.engine | set(tags), self.now.trainer)
+            else:
+                figures = getattr(self.trainer, kind)()
+                self.moved_bytes[kind] = self.moved_bytes.get(kind, 0.0) + float((figures or {}).get("bytes", 0))
+                self.now = Residency(self.now.engine, trainer=kind == "onload")
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+
+    def trainer_started(self) -> None:
+        """The trainer group exists and holds its state on the GPU."""
+        self.now = Residency(self.now.engine, trainer=True)
+
+    def take_seconds(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
