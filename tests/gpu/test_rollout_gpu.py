@@ -1,15 +1,13 @@
-"""Rollout on GPUs: the embedded engine on CUDA, CUDA IPC weight payloads, the NCCL weight
-update group, and (where SGLang is installed) a real SGLang server driven by the client."""
+"""Rollout on GPUs: the embedded engine on CUDA, CUDA IPC weight payloads and the NCCL weight
+update group (the real SGLang server: test_sglang_gpu.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -86,7 +84,6 @@ def test_embedded_cuda_logprobs_and_batch_invariance(cuda_engine):
 def test_embedded_cuda_release_frees_the_weights(cuda_engine):
     """Colocated training's memory hand-over on a GPU: releasing the weights moves them off
     the device (its allocation drops by their size); resuming brings them back unchanged."""
-    import asyncio
 
     e = cuda_engine
     weights = sum(p.numel() * p.element_size() for p in e.model.parameters())
@@ -160,55 +157,3 @@ def test_nccl_update_group_broadcast(tmp_path):
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     assert out.splitlines() == ["False a:66.000;b:15.000", "True a:66.000;b:15.000"]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
-def test_sglang_server_with_the_client(tiny_checkpoint, tiny_config, cuda_engine):
-    """Launch a real SGLang server on GPU 0 from the config, generate with an image through
-    the client, compare logprobs with the embedded engine, update weights (IPC), release /
-    resume memory."""
-    from vlmrl.config import load
-    from vlmrl.models.names import to_checkpoint_name
-    from vlmrl.rollout.client import HTTPEngine
-    from vlmrl.rollout.protocol import GenerateRequest, SamplingParams
-    from vlmrl.rollout.sglang import ManagedProcess, server_args, server_command
-
-    cfg = load(["hardware=h200", "rollout=sglang", "cluster.num_gpus=1", "cluster.colocate=true",
-                f"model.cache_dir={tiny_config.model.cache_dir}", "model.dtype=float32",
-                "rollout.sglang.mem_fraction_static=0.3"], check_rules=False)
-    port = _free_port()
-    args = server_args(cfg.rollout, cfg.hardware, cfg.model, port=port, model_path=tiny_checkpoint, colocate=True)
-    log = Path(tempfile.mkdtemp()) / "sglang.log"
-    proc = ManagedProcess(server_command(args), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, log_path=log)
-    proc.start()
-
-    async def go():
-        client = HTTPEngine(f"http://127.0.0.1:{port}", tensor_format="ipc")
-        try:
-            await client.wait_healthy(600, is_alive=proc.alive)
-            e = cuda_engine
-            req = GenerateRequest(text=_prompt(e.processor, "How many squares?", 1), images=(_image(),),
-                                  sampling=SamplingParams(temperature=0.0, max_new_tokens=8))
-            (res,) = await client.generate([req])
-            (ref,) = e.generate_sync([req])
-            assert res.prompt_tokens == ref.prompt_tokens and len(res.logprobs) == len(res.output_ids)
-            assert res.output_ids == ref.output_ids
-            assert max(abs(a - b) for a, b in zip(res.logprobs, ref.logprobs)) < 1e-2
-            named = [(to_checkpoint_name(k), v.clone() * 1.01) for k, v in e.model.state_dict().items()
-                     if "layers.0." in k]
-            await client.update_weights_from_tensor(named, bucket_bytes=1 << 20, weight_version="1")
-            (after,) = await client.generate([req])
-            assert after.weight_version == "1" and after.logprobs != res.logprobs
-            await client.release_memory_occupation()
-            await client.resume_memory_occupation()
-            # the RL loop re-sends the weights after resuming (released weights are not kept)
-            await client.update_weights_from_tensor(named, bucket_bytes=1 << 20, weight_version="2")
-            (again,) = await client.generate([req])
-            assert again.output_ids == after.output_ids
-        finally:
-            await client.close()
-
-    try:
-        asyncio.run(go())
-    finally:
-        proc.stop()

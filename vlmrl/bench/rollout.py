@@ -1,7 +1,13 @@
-"""Rollout throughput of the embedded engine: generated tokens per second.
+"""Rollout throughput: generated tokens per second of the embedded engine and of SGLang.
 
     python -m vlmrl.bench.rollout --batch-size 64 --max-new-tokens 64 --device cpu
-        (the tiny model, built under $VLMRL_CACHE on first use)
+        (the tiny model, built under $VLMRL_CACHE on first use; --family qwen3_5_moe for the
+        tiny Qwen3.5-MoE)
+    python -m vlmrl.bench.rollout --device cuda --dtype bfloat16 --family qwen3_5_moe \
+        --engines embedded,sglang --repeats 3 --sglang-python python3 \
+        --sglang-env '{"PYTHONPATH": "/opt/sglang-site"}' --sglang-server-args '{...}'
+        (both engines on the same checkpoint, GPU and requests, timed alternately; the result
+        gives SGLang's tokens/s as a ratio to the embedded engine's)
     python -m vlmrl.bench.rollout --model DIR ...
     python -m vlmrl.bench.rollout --device cuda --dtype bfloat16 --random-model qwen2_5_vl_3b \\
         [--hidden 2048 --layers 36 ...]
@@ -112,6 +118,111 @@ def bench_embedded(model_path: str | None, batch_size: int, max_new_tokens: int,
     }
 
 
+def bench_sglang(model_path: str, reqs: list[Any], *, dtype: str = "bfloat16",
+                 python: str | None = None, env: dict[str, str] | None = None,
+                 server_args: dict[str, Any] | None = None, mem_fraction_static: float = 0.5,
+                 min_pixels: int = 3136, max_pixels: int = 12544, run_dir: str | None = None) -> Any:
+    """A generator: starts an SGLang server for `model_path` on GPU 0 (under `python` with
+    `env` added, `server_args` merged last), yields a function that times `reqs` once (all in
+    flight together through vlmrl's client: (seconds, generated tokens, mean prompt tokens)),
+    and stops the server when closed."""
+    import asyncio
+    import socket
+    import tempfile
+
+    from ..rollout.client import HTTPEngine
+    from ..rollout.sglang import ManagedProcess, installed_sglang_version, server_command, to_cli  # noqa: F401
+    from ..rollout.sglang_flags import load_flags
+
+    full_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    version = installed_sglang_version(python, full_env)
+    flags = load_flags(version)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args: dict[str, Any] = {"model_path": model_path, "dtype": dtype, "host": "127.0.0.1", "port": port,
+                            "mem_fraction_static": mem_fraction_static, "log_level": "warning",
+                            "mm_process_config": {"image": {"min_pixels": min_pixels, "max_pixels": max_pixels}},
+                            "max_running_requests": max(len(reqs), 1)}
+    args.update(server_args or {})
+    for name, value in args.items():
+        flags.check_value(name, value)
+    log = Path(run_dir or tempfile.mkdtemp()) / "sglang-bench.log"
+    proc = ManagedProcess(server_command(args, flags=flags, python=python), env=full_env, log_path=log)
+    proc.start()
+    t_start = time.perf_counter()
+
+    async def run_once() -> tuple[float, int, float]:
+        client = HTTPEngine(f"http://127.0.0.1:{port}", max_concurrency=max(len(reqs), 1), tensor_format=None)
+        try:
+            t0 = time.perf_counter()
+            out = await client.generate(reqs)
+            dt = time.perf_counter() - t0
+        finally:
+            await client.close()
+        return dt, sum(len(r.output_ids) for r in out), sum(r.prompt_tokens for r in out) / max(len(out), 1)
+
+    async def healthy() -> None:
+        client = HTTPEngine(f"http://127.0.0.1:{port}", max_retries=0)
+        try:
+            await client.wait_healthy(900, poll_s=2.0, is_alive=proc.alive)
+        finally:
+            await client.close()
+
+    try:
+        try:
+            asyncio.run(healthy())
+        except Exception as e:
+            raise RuntimeError(f"SGLang did not start: {e}\n--- {log} ---\n{proc.tail()}") from e
+        startup = time.perf_counter() - t_start
+        asyncio.run(run_once())  # warm-up
+        yield (lambda: asyncio.run(run_once())), {"sglang_version": version, "startup_s": startup,
+                                                   "server_args": args}
+    finally:
+        proc.stop()
+
+
+def compare_engines(model_path: str, batch_size: int, max_new_tokens: int, *, dtype: str, repeats: int,
+                    min_pixels: int, max_pixels: int, sglang: dict[str, Any]) -> dict[str, Any]:
+    """The embedded engine and SGLang on the same checkpoint, GPU and requests, timed
+    alternately `repeats` times each; tokens/s of both and SGLang's ratio to the embedded one."""
+    import torch
+
+    from ..rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(str(model_path), device="cuda", dtype=dtype, min_pixels=min_pixels,
+                            max_pixels=max_pixels, max_batch_size=batch_size)
+    reqs = _requests(engine, batch_size, max_new_tokens, with_image=True)
+    engine.generate_sync(reqs[: min(4, batch_size)])  # warm-up
+    runs: dict[str, list[float]] = {"embedded": [], "sglang": []}
+    tokens: dict[str, int] = {}
+    server = bench_sglang(model_path, reqs, dtype=dtype, min_pixels=min_pixels, max_pixels=max_pixels, **sglang)
+    timed, info = next(server)
+    try:
+        for _ in range(repeats):
+            engine._prompt_cache.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = engine.generate_sync(reqs)
+            torch.cuda.synchronize()
+            runs["embedded"].append(time.perf_counter() - t0)
+            tokens["embedded"] = sum(len(r.output_ids) for r in out)
+            dt, n, _ = timed()
+            runs["sglang"].append(dt)
+            tokens["sglang"] = n
+    finally:
+        server.close()
+    rate = {k: tokens[k] / min(v) for k, v in runs.items()}
+    return {"engine": "embedded,sglang", "model": str(model_path), "dtype": dtype, "batch_size": batch_size,
+            "max_new_tokens": max_new_tokens, "with_image": True, "device": "cuda",
+            "device_name": torch.cuda.get_device_name(0), "repeats": repeats, "seconds": runs,
+            "generated_tokens": tokens, "tokens_per_s_by_engine": rate,
+            "sglang_over_embedded": rate["sglang"] / rate["embedded"],
+            "parameters": sum(p.numel() for p in engine.model.parameters()),
+            "tokens_per_s": rate["sglang"], "seconds_best": min(runs["sglang"]), "torch": torch.__version__,
+            **{k: v for k, v in info.items() if k != "server_args"}, "sglang_server_args": info["server_args"]}
+
+
 def random_model_engine(group: str, device: str, dtype: str, overrides: list[str], *, cache_dir: str | None = None,
                         max_batch_size: int = 64) -> Any:
     """An EmbeddedEngine over a random model shaped like config group `model=<group>`
@@ -167,7 +278,15 @@ def write_results(result: dict[str, Any], out_dir: Path, tag: str) -> tuple[Path
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m vlmrl.bench.rollout", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model of --family)")
+    p.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_5", "qwen3_5_moe"],
+                   help="the tiny model's family when --model is not given")
+    p.add_argument("--engines", default="embedded", choices=["embedded", "embedded,sglang"],
+                   help="embedded alone, or both on the same GPU and requests (needs --device cuda)")
+    p.add_argument("--sglang-python", default=None, help="the interpreter with sglang (default: this one)")
+    p.add_argument("--sglang-env", default="{}", help="JSON of extra environment for the SGLang server")
+    p.add_argument("--sglang-server-args", default="{}", help="JSON of extra SGLang ServerArgs")
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.5)
     p.add_argument("--random-model", default=None,
                    help="config group of a random model built in code, e.g. qwen2_5_vl_3b (the suffix "
                         "'-shaped' is accepted)")
@@ -187,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="result file suffix (default: device-model-date)")
     args = p.parse_args(argv)
 
+    shown = None  # the results' description where it says more than the model
     if args.random_model:
         group = args.random_model.removesuffix("-shaped")
         over = []
@@ -202,22 +322,40 @@ def main(argv: list[str] | None = None) -> int:
     else:
         engine = None
         model_path = args.model
-        desc = Path(args.model).name if args.model else "tiny"
+        from ..models.tiny import TINY_OPTIONS
+
+        desc = Path(args.model).name if args.model else TINY_OPTIONS[args.family]
         if model_path is None:
             from ..config import load
             from ..models.tiny import ensure_tiny_checkpoint
 
-            cfg = load(["model=tiny"])
+            cfg = load([f"model={TINY_OPTIONS[args.family]}"])
             model_path = ensure_tiny_checkpoint(cfg.model, min_pixels=cfg.data.min_pixels,
                                                 max_pixels=cfg.data.max_pixels)
-    result = bench_embedded(model_path, args.batch_size, args.max_new_tokens, args.device, dtype=args.dtype,
-                            with_image=not args.no_image, repeats=args.repeats, engine=engine)
+    if args.engines == "embedded,sglang":
+        if args.device != "cuda" or engine is not None:
+            p.error("--engines embedded,sglang needs --device cuda and a checkpoint (--model or --family)")
+        sglang = {"python": args.sglang_python, "env": json.loads(args.sglang_env),
+                  "server_args": json.loads(args.sglang_server_args), "mem_fraction_static": args.sglang_mem_fraction}
+        from ..config import load
+
+        data = load([]).data  # the pixel bounds the tiny checkpoints' processors carry
+        result = compare_engines(model_path, args.batch_size, args.max_new_tokens, dtype=args.dtype,
+                                 repeats=args.repeats, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
+                                 sglang=sglang)
+        shown = (f"{desc}: SGLang {result['sglang_version']} "
+                f"{result['tokens_per_s_by_engine']['sglang']:.0f} tok/s, embedded "
+                f"{result['tokens_per_s_by_engine']['embedded']:.0f} ({result['sglang_over_embedded']:.2f}x)")
+    else:
+        result = bench_embedded(model_path, args.batch_size, args.max_new_tokens, args.device, dtype=args.dtype,
+                                with_image=not args.no_image, repeats=args.repeats, engine=engine)
     now = _dt.datetime.now(_dt.UTC)
-    result.update({"model_desc": desc, "command": _command(argv), "date": now.strftime("%Y-%m-%d %H:%M")})
+    result.update({"model_desc": shown or desc, "command": _command(argv), "date": now.strftime("%Y-%m-%d %H:%M")})
     tag = args.tag or f"{args.device.replace(':', '')}-{desc.split(' (')[0].replace(' ', '-')}-{now:%Y%m%d-%H%M}"
     js, md = write_results(result, Path(args.out), tag)
-    print(json.dumps({k: result[k] for k in ("device", "dtype", "parameters", "batch_size", "max_new_tokens",
-                                             "generated_tokens", "seconds_best", "tokens_per_s")}, indent=2))
+    keys = ("device", "dtype", "parameters", "batch_size", "max_new_tokens", "generated_tokens", "seconds_best",
+            "tokens_per_s", "tokens_per_s_by_engine", "sglang_over_embedded", "sglang_version")
+    print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
     print(f"wrote {js} and a row in {md}")
     return 0
 
