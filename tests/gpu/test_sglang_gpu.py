@@ -49,8 +49,8 @@ def _install() -> tuple[str, dict[str, str], str]:
     return python, env, version
 
 
-def _dict_override(key: str, d: dict[str, object]) -> str:
-    return f"{key}={{" + ",".join(f"{k}:{json.dumps(v)}" for k, v in d.items()) + "}"
+def _dict_overrides(key: str, d: dict[str, object]) -> list[str]:
+    return [f"+{key}.{k}={json.dumps(v)}" for k, v in d.items()]
 
 
 def sglang_overrides(run_dir: str, cache_dir: str) -> list[str]:
@@ -65,11 +65,8 @@ def sglang_overrides(run_dir: str, cache_dir: str) -> list[str]:
            "hardware.fused_kernels=false", "hardware.cuda_graphs=false", "hardware.gdn_backend=torch",
            "hardware.lm_attention_backend=sdpa", "hardware.vision_attn_implementation=sdpa",
            "rollout.sglang.cuda_graph_max_bs=32"]
-    if env:
-        out.append(_dict_override("rollout.sglang.env", env))
-    if server_args:
-        out.append(_dict_override("rollout.sglang.server_args", server_args))
-    return out
+    return [*out, *_dict_overrides("rollout.sglang.env", env),
+            *_dict_overrides("rollout.sglang.server_args", server_args)]
 
 
 def _free_port() -> int:
