@@ -1,8 +1,10 @@
 """The plan: `python -m vlmrl.plan [overrides]` prints what a run would put where.
 
 Validates the config, then prints the model's parameter counts, the trainer's rank layout
-(which GPU holds which TP/PP/CP/DP and EP/ETP shard), where the rollout engines go, and a
-per-GPU memory estimate. Nothing is started and no torch/megatron/ray is imported.
+(which GPU holds which TP/PP/CP/DP and EP/ETP shard), where the rollout engines go, a
+per-GPU memory estimate and, on GPUs, the peak of each phase of a step (rollout, logprob
+recompute, train, weight sync) with its parts. Nothing is started and no
+torch/megatron/ray is imported.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ from typing import Any
 
 from .cli import hydra_entry
 from .config import ConfigError, VlmrlConfig, compute_layout, config_notes, to_dataclass, validate
-from .config.memory import GIB, count_params, estimate_memory, sequence_length
+from .config.memory import (
+    GIB,
+    count_params,
+    estimate_memory,
+    offload_host_bytes,
+    phase_memory,
+    sequence_length,
+    trainer_offload,
+)
 
 
 def _b(n: float) -> str:
@@ -100,9 +110,48 @@ def render_plan(cfg: VlmrlConfig) -> str:
     if total_dev and mem.train_total > 0.95 * total_dev:
         console.print(f"  [bold]warning[/]: the training phase needs about {_gib(mem.train_total)} "
                       f"of {_gib(total_dev)}")
+    _print_phases(console, cfg, mem)
     for note in config_notes(cfg):
         console.print(f"[bold]note[/] {note}")
     return out.getvalue()
+
+
+_WHERE = {"shared": "every GPU (shared)", "trainer": "trainer GPUs", "engine": "engine GPUs"}
+
+
+def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
+    """The peak of each phase of a step on one GPU, with its parts."""
+    from rich.table import Table
+
+    phases = phase_memory(cfg, mem)
+    if not phases:
+        return
+    total_dev = cfg.hardware.gpu_memory_gb * GIB
+    if cfg.cluster.colocate:
+        mode = ("trainer offloaded while the engines generate (trainer.offload)" if trainer_offload(cfg)
+                else "trainer stays on the GPUs while the engines generate (trainer.offload=false)")
+    else:
+        mode = "trainer and engines on separate GPUs"
+    t = Table(title=f"peak per GPU in each phase of a step: {mode}")
+    for col, justify in (("phase", "left"), ("GPUs", "left"), ("peak", "right"), ("of device", "right"),
+                         ("parts", "left")):
+        t.add_column(col, justify=justify)
+    for ph in phases:
+        share = f"{ph.total / total_dev:.0%}" if total_dev else "-"
+        parts = "; ".join(f"{name} {_gib(b)}" for name, b in ph.parts)
+        t.add_row(ph.phase, _WHERE.get(ph.where, ph.where), _gib(ph.total), share, parts)
+    console.print(t)
+    host = offload_host_bytes(cfg, mem)
+    if host:
+        console.print(f"  offloaded: {_gib(host)} of weights and optimizer state per trainer GPU in pinned host "
+                      f"memory ({_gib(host * len(compute_layout(cfg).trainer_devices))} for all "
+                      "trainer GPUs); gradients are dropped, not copied")
+    for ph in phases:
+        if total_dev and ph.total > total_dev:
+            hint = (" (trainer.offload=true moves the trainer's state off the GPUs while the engines generate)"
+                    if ph.phase == "rollout" and cfg.cluster.colocate and not trainer_offload(cfg) else "")
+            console.print(f"  [bold]warning[/]: the {ph.phase} phase needs about {_gib(ph.total)} of "
+                          f"{_gib(total_dev)} per GPU{hint}")
 
 
 def run(cfg: Any) -> None:

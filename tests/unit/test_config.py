@@ -151,6 +151,7 @@ INVALID = [
      "hardware-attention", "flash_attention_2"),
     ([*REFERENCE, "hardware.sglang_mm_attention_backend=flash"], "hardware-attention", "SGLang's"),
     (["cluster.colocate=true"], "colocate", "has none"),
+    (["trainer.offload=true"], "offload", "trainer.offload=true needs GPUs"),
     (["cluster.cpu_threads=0"], "cpu-threads", "must be >= 1"),
     ([*REFERENCE, "cluster.async_rollout=true"], "colocate", "async_rollout"),
     ([*REFERENCE, "rollout.num_gpus=4"], "colocate", "rollout.num_gpus=4"),

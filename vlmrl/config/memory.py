@@ -1,4 +1,4 @@
-"""Parameter counts and a per-GPU memory estimate, from the model and parallel config.
+"""Parameter counts, a per-GPU memory estimate and the peak of each phase of a step.
 
 Pure arithmetic (standard library only) used by the plan command. The estimate follows
 Megatron's layout: dense weights split over TP and PP stages, experts over EP x ETP,
@@ -6,16 +6,33 @@ distributed-optimizer state over the data-parallel group (expert state over the 
 data-parallel group), and activations for one micro-batch per layer (Korthikanti et al.'s
 34*s*h bytes per layer for a transformer layer with flash/SDPA attention, divided by TP
 with sequence parallel; full recompute keeps only each layer's input).
+
+`phase_memory` adds, for layouts where trainer and engines share GPUs, the peak of each
+phase of a step on one GPU (rollout, logprob recompute, train, weight sync), each as its
+named parts; `compare_phase_memory` holds a run's measurements against them. The few figures
+the config cannot give (a process's CUDA context, an engine's working memory beside its
+static pool) are the constants below, named as parts wherever they count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .layout import compute_layout, is_moe_model
 from .schema import LanguageModelConfig, VisionConfig, VlmrlConfig
 
 GIB = 1024**3
+
+# Device memory of one process that computes on a GPU whatever it holds: the CUDA context,
+# cuBLAS workspaces, NCCL communicators' buffers. A released engine and an offloaded trainer
+# keep this much each.
+PROCESS_BYTES = 1.5 * GIB
+# A generating SGLang engine beyond its static pool (weights + KV cache,
+# `rollout.sglang.mem_fraction_static`): its decode CUDA graphs and the activations of one
+# prefill chunk.
+ENGINE_RUNTIME_BYTES = 4.0 * GIB
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,14 @@ class MemoryEstimate:
     # tp wider than the KV groups: the gathered fused QKV projections of the attention layers
     # held for backward (included in `activations`); 0 otherwise
     qkv_gather: float = 0.0
+    # a forward without backward (the logprob recompute): one layer's working set and the
+    # logits of one micro-batch with their float32 log-softmax
+    forward_activations: float = 0.0
+
+    @property
+    def state(self) -> float:
+        """What the trainer keeps between steps: weights, gradients, optimizer state."""
+        return self.params + self.grads + self.optimizer
 
     @property
     def train_total(self) -> float:
@@ -186,6 +211,9 @@ def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
     activations *= p.pp  # 1F1B: stage 0 holds up to pp micro-batches in flight
     logits = 2 * tokens_cp * lm.vocab_size / p.tp * 4  # fp32 logits and their gradient
     activations += logits
+    # forward only: layers free their activations as they go; the logits (train dtype) and
+    # their float32 log-softmax stay for the micro-batch
+    forward_activations = layer_full + tokens_cp * lm.vocab_size / p.tp * (act_bytes + 4)
     qkv_gather = 0.0
     if p.tp > lm.num_query_groups:
         rows = (lm.num_attention_heads * (2 if lm.attention_output_gate else 1) + 2 * lm.num_query_groups) * lm.head_dim
@@ -198,4 +226,183 @@ def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
 
     gpu = cfg.hardware.gpu_memory_gb * GIB
     pool = cfg.rollout.sglang.mem_fraction_static * gpu if cfg.rollout.name == "sglang" else 0.0
-    return MemoryEstimate(params, grads, optimizer, activations, int(tokens), pool, qkv_gather)
+    return MemoryEstimate(params, grads, optimizer, activations, int(tokens), pool, qkv_gather, forward_activations)
+
+
+# --------------------------------------------------------------------------- offload
+def trainer_offload(cfg: VlmrlConfig) -> bool:
+    """Whether the trainer's weights, gradients and optimizer state leave the GPU while the
+    engines generate: `trainer.offload`, and where that is null, exactly when the trainer
+    shares its GPUs with the engines (`cluster.colocate` on hardware with GPUs)."""
+    if cfg.trainer.offload is not None:
+        return bool(cfg.trainer.offload)
+    return bool(cfg.cluster.colocate and cfg.hardware.device == "cuda")
+
+
+def offload_config_problems(cfg: VlmrlConfig) -> list[str]:
+    """What is wrong with `trainer.offload` in `cfg` (empty when nothing): offloading moves
+    the trainer's state from GPU memory to host memory, so `trainer.offload=true` on hardware
+    without GPUs is refused rather than ignored."""
+    if cfg.trainer.offload and cfg.hardware.device != "cuda":
+        return [f"trainer.offload=true needs GPUs, and hardware.device={cfg.hardware.device!r} "
+                f"(hardware={cfg.hardware.name}): the trainer's state is in host memory already; "
+                "set trainer.offload=null (on exactly when colocated on GPUs) or false"]
+    return []
+
+
+def training_cuda_graphs(cfg: VlmrlConfig) -> tuple[bool, str | None]:
+    """(whether the trainer replays its compiled layers as CUDA graphs, why not where
+    `hardware.cuda_graphs` asks for them but the layout rules them out). CUDA graph trees
+    cannot hold a micro-batch's activations until its backward under pipeline parallelism
+    (several micro-batches in flight) or activation recompute (forwards inside the backward),
+    and tensor-parallel layers never take the compiled fast path."""
+    hw, p = cfg.hardware, cfg.parallel
+    if not (hw.cuda_graphs and hw.fused_kernels and hw.device == "cuda"):
+        return False, None
+    why = ("pipeline parallel" if p.pp > 1 or p.vpp else
+           f"activation recompute ({p.recompute_granularity})" if p.recompute_granularity else
+           "tensor parallel (its layers run Megatron's own forward, not the compiled graphs)" if p.tp > 1 else None)
+    return why is None, why
+
+
+# --------------------------------------------------------------------------- phases
+@dataclass(frozen=True)
+class PhaseMemory:
+    """The peak device bytes of one GPU during one phase of a step, as named parts."""
+
+    phase: str  # rollout | logprob | train | sync
+    where: str  # which GPUs: "shared" (colocated), "trainer" or "engine" (separate)
+    parts: tuple[tuple[str, float], ...]
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.parts)
+
+
+def engine_weight_bytes(cfg: VlmrlConfig) -> float:
+    """The weights one engine GPU holds: the whole model in its dtype, split over the
+    engine's GPUs (SGLang shards attention, Gated DeltaNet, the vocabulary and, with
+    `ep_size`, the experts over them)."""
+    per = _DTYPE_BYTES.get(cfg.model.dtype, 2)
+    return count_params(cfg).total * per / max(cfg.rollout.gpus_per_engine, 1)
+
+
+def _engine_generating(cfg: VlmrlConfig) -> list[tuple[str, float]]:
+    r, gpu = cfg.rollout, cfg.hardware.gpu_memory_gb * GIB
+    if r.name == "sglang":
+        return [(f"engine static pool (weights + KV cache: mem_fraction_static "
+                 f"{r.sglang.mem_fraction_static:g} x {_gib_text(gpu)})", r.sglang.mem_fraction_static * gpu),
+                ("engine CUDA graphs and activations", ENGINE_RUNTIME_BYTES),
+                ("engine process", PROCESS_BYTES)]
+    return [("engine weights", engine_weight_bytes(cfg)), ("engine activations", ENGINE_RUNTIME_BYTES),
+            ("engine process", PROCESS_BYTES)]
+
+
+def _gib_text(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[PhaseMemory]:
+    """The peak of each phase of a step on the most loaded GPU (pipeline stage 0).
+
+    Colocated (trainer and engines on the same GPUs; `where` "shared"):
+
+    - rollout: the engines generate with everything they hold (static pool =
+      `mem_fraction_static` x GPU memory, plus their CUDA graphs and activations); the trainer
+      keeps its process and, with offload, nothing else (without it: its weights, gradients
+      and optimizer state). CUDA graph trees of the trainer keep their pools either way.
+    - logprob: the trainer's state and a forward's activations; the released engines keep
+      their processes.
+    - train: the trainer's state and the activations of a training micro-batch.
+    - sync: the trainer's state, the engines' weights (resumed, KV cache and graphs still
+      released) and two buckets of `rollout.weight_update_bucket_mb` in flight.
+
+    Separate GPUs: "train" and "logprob" on the trainer's GPUs, "rollout" on the engines'.
+    No phases on CPU ranks (empty list)."""
+    if cfg.hardware.device != "cuda":
+        return []
+    mem = mem or estimate_memory(cfg)
+    offload = trainer_offload(cfg)
+    graphs, _ = training_cuda_graphs(cfg)
+    state = [("trainer weights", mem.params), ("trainer gradients", mem.grads),
+             ("trainer optimizer state", mem.optimizer)]
+    if cfg.algo.kl_coef > 0:
+        state.append(("reference model weights", mem.params))
+    trainer_process = [("trainer process", PROCESS_BYTES)]
+    # with CUDA graphs the training activations live in the graph trees' pools, which stay
+    trainer_graphs = [("trainer CUDA graph pools", mem.activations)] if graphs else []
+    train_acts = [] if graphs else [("trainer activations (training micro-batch)", mem.activations)]
+    fwd_acts = [("trainer activations (forward only)", mem.forward_activations)]
+    released_engine = [("released engine process", PROCESS_BYTES)]
+    if not cfg.cluster.colocate:
+        on_trainer = [*state, *trainer_process, *trainer_graphs]
+        return [PhaseMemory("rollout", "engine", tuple(_engine_generating(cfg))),
+                PhaseMemory("logprob", "trainer", tuple(on_trainer + fwd_acts)),
+                PhaseMemory("train", "trainer", tuple(on_trainer + train_acts))]
+    kept = [] if offload else state
+    bucket = max(int(cfg.rollout.weight_update_bucket_mb), 1) * 1024**2
+    return [
+        PhaseMemory("rollout", "shared", tuple(_engine_generating(cfg) + kept + trainer_process + trainer_graphs)),
+        PhaseMemory("logprob", "shared", tuple(state + trainer_process + trainer_graphs + fwd_acts + released_engine)),
+        PhaseMemory("train", "shared", tuple(state + trainer_process + trainer_graphs + train_acts + released_engine)),
+        PhaseMemory("sync", "shared", tuple(state + trainer_process + trainer_graphs + [
+            ("engine weights (resumed)", engine_weight_bytes(cfg)),
+            (f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB)", 2 * bucket),
+            ("engine process", PROCESS_BYTES)])),
+    ]
+
+
+def offload_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
+    """Pinned host memory per trainer GPU that holds the offloaded state: weights (and the
+    reference model's) and optimizer state; gradients are dropped, not copied (every step
+    zeroes them first). 0 where the trainer does not offload."""
+    if cfg.hardware.device != "cuda" or not trainer_offload(cfg):
+        return 0.0
+    mem = mem or estimate_memory(cfg)
+    return mem.params * (2 if cfg.algo.kl_coef > 0 else 1) + mem.optimizer
+
+
+def phase_estimates(cfg: VlmrlConfig) -> dict[str, float]:
+    """Each phase's estimated peak bytes on one GPU (the totals of `phase_memory`), keyed by
+    phase: what `compare_phase_memory` takes as `estimate`. Separate GPUs key the engines'
+    rollout and the trainer's phases the same way: each is on its own GPUs."""
+    return {p.phase: p.total for p in phase_memory(cfg)}
+
+
+def measured_phase_peak(stats: Mapping[str, float]) -> float:
+    """One GPU's peak during a phase, from the trainer rank's `memory_stats()` read at the
+    phase's end, before anything moves for the next phase (the read resets the peak it
+    reports, so the next read covers the next phase):
+    the device memory in use then, as `torch.cuda.mem_get_info` sees it (every process on the
+    GPU: the trainer and the colocated engine), with the trainer's own transient peak put
+    back (its peak reserved bytes in place of its reserved bytes now)."""
+    return float(stats["device_used"]) - float(stats["reserved"]) + float(stats["peak_reserved"])
+
+
+def compare_phase_memory(estimate: dict[str, float], measured: dict[str, float],
+                         tolerance: float = 0.10) -> list[str]:
+    """The problems of a run's measured phase peaks against the plan's estimate (empty when
+    every measured phase is within `tolerance` of its estimate, relative to the estimate).
+
+    `estimate`: bytes per phase, `phase_estimates(cfg)`. `measured`: bytes per phase, the
+    largest over the trainer's GPUs of `measured_phase_peak(memory_stats())` read at the end
+    of that phase, i.e. the device memory used on that GPU by every process on it (the
+    trainer and a colocated engine, from `torch.cuda.mem_get_info`), with the trainer's peak
+    within the phase in place of what it held at the end. Phases measured but not estimated
+    are problems; phases estimated but not measured are not."""
+    problems = []
+    for phase, got in measured.items():
+        want = estimate.get(phase)
+        if want is None:
+            problems.append(f"{phase}: measured {_gib_text(got)} but the plan has no estimate for this phase "
+                            f"(phases: {sorted(estimate)})")
+            continue
+        if want <= 0:
+            problems.append(f"{phase}: the estimate is {want} bytes; nothing to compare against")
+            continue
+        rel = (got - want) / want
+        if abs(rel) > tolerance:
+            side = "more" if rel > 0 else "less"
+            problems.append(f"{phase}: measured {_gib_text(got)}, {abs(rel):.0%} {side} than the estimated "
+                            f"{_gib_text(want)} (tolerance {tolerance:.0%})")
+    return problems

@@ -187,6 +187,10 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if c.colocate and c.async_rollout:
         fail("colocate", "cluster.async_rollout=true overlaps rollout with training and cannot "
              "share GPUs: set cluster.colocate=false or cluster.async_rollout=false")
+    from .memory import offload_config_problems
+
+    for problem in offload_config_problems(cfg):
+        fail("offload", problem)
     if on_gpu:
         if c.colocate and r.num_gpus != c.num_gpus:
             fail("colocate", f"colocated engines span every GPU: rollout.num_gpus={r.num_gpus} != "

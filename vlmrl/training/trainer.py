@@ -7,6 +7,11 @@ runs Megatron's forward/backward schedules over packed micro-batches. Losses com
 applied by Megatron (`calculate_per_token_loss`), so gradient accumulation over
 micro-batches and data parallelism reproduce the full-batch loss exactly.
 
+With `trainer.offload` (colocated on GPUs), the weights, DDP buffers and optimizer state
+live in torch_memory_saver regions (`vlmrl.training.offload`): `offload()` frees their device
+memory while the engines generate and `onload()` brings it back at the same addresses.
+`memory_stats()` reports the rank's device memory for the run to compare with the plan.
+
 The same code runs on CPU ranks over gloo and on GPUs over NCCL.
 """
 
@@ -42,20 +47,14 @@ def _detached(v: Any) -> Any:
 
 def cuda_graphs_in_training(cfg: VlmrlConfig) -> bool:
     """Whether this run's trainer replays its compiled layers as CUDA graphs
-    (`hardware.cuda_graphs`). Off, with the reason printed, where CUDA graph trees cannot
-    hold the activations of a micro-batch until its backward: pipeline parallelism (several
-    micro-batches in flight) and activation recompute (forwards inside the backward); and
-    under tensor parallelism, whose layers never take the compiled fast path."""
-    hw, p = cfg.hardware, cfg.parallel
-    if not (hw.cuda_graphs and hw.fused_kernels and hw.device == "cuda"):
-        return False
-    why = ("pipeline parallel" if p.pp > 1 or p.vpp else
-           f"activation recompute ({p.recompute_granularity})" if p.recompute_granularity else
-           "tensor parallel (its layers run Megatron's own forward, not the compiled graphs)" if p.tp > 1 else None)
+    (`hardware.cuda_graphs`; `vlmrl.config.memory.training_cuda_graphs` says where the layout
+    rules them out, and this prints why)."""
+    from ..config.memory import training_cuda_graphs
+
+    on, why = training_cuda_graphs(cfg)
     if why:
         print(f"hardware.cuda_graphs: off in this run, {why}; the compiled layers run without CUDA graphs", flush=True)
-        return False
-    return True
+    return on
 
 
 def use_fused_adam(optimizer: Any) -> int:
@@ -116,6 +115,11 @@ class MegatronTrainer:
                 c.eval().requires_grad_(False)
 
         self.model = self._wrap_ddp(chunks)
+        # trainer.offload: weights and DDP buffers go into torch_memory_saver's regions now,
+        # before the optimizer's state exists (the placement copies one storage at a time)
+        self._offload = self._offload_regions()
+        if self._offload is not None:
+            self._offload.adopt()
         # Megatron's schedules call this after the last micro-batch: the DP gradient
         # all-reduce, the sequence-parallel norm and tied-embedding reductions, (with
         # calculate_per_token_loss) the division by the global token count, and the TP sums
@@ -125,6 +129,16 @@ class MegatronTrainer:
         for c in chunks:
             c.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._optimizer()
+        if self._offload is not None:
+            # the optimizer's state exists from the start, in the region (torch makes it at
+            # the first step otherwise), and no storage moves from here on
+            from .offload import init_optimizer_state
+
+            init_optimizer_state(self.optimizer)
+            self._offload.adopt()
+            self._offload.finish_build()
+            # the pinned host copy, allocated now rather than in the first offload
+            self.offload_host_copy_s = self._offload.allocate_host_copy()
         self.scheduler = self._scheduler(total_steps or cfg.num_steps)
         from .observe import StepObserver
 
@@ -164,6 +178,106 @@ class MegatronTrainer:
     @property
     def chunks(self) -> list[Any]:
         return [m.module for m in self.model]
+
+    def _offload_regions(self) -> Any:
+        """The device-state offload of this rank (`vlmrl.training.offload`), or None where
+        `trainer.offload` is off or the rank computes on the CPU."""
+        from ..config.memory import trainer_offload
+        from ..models import compat
+
+        self.offload_off_reason: str | None = None
+        self.offload_host_copy_s = 0.0
+        if not trainer_offload(self.cfg):
+            self.offload_off_reason = "trainer.offload is off in this run"
+            return None
+        if not compat.cuda_available():
+            self.offload_off_reason = "this rank computes on the CPU: its state is in host memory already"
+            return None
+        from .offload import DeviceStateOffload
+
+        return DeviceStateOffload(self._device_state, compat.device())
+
+    def _device_state(self) -> list[Any]:
+        """What leaves the GPU with `offload`: the parameters (of the reference model too),
+        the DDP parameter buffers they live in, the DDP gradient buffers (contents not kept),
+        the optimizer's parameters and state."""
+        from .offload import Held, optimizer_tensors
+
+        held = []
+        for ddp in self.model:
+            for buf in [*ddp.buffers, *ddp.expert_parallel_buffers]:
+                if buf.param_data is not None:
+                    held.append(Held(buf.param_data, keep=True, fixed=True))
+                held.append(Held(buf.grad_data, keep=False))
+        for chunk in [*self.chunks, *(self.ref_chunks or [])]:
+            held.extend(Held(p, keep=True, fixed=True) for p in chunk.parameters())
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            held.extend(Held(t, keep=True) for t in optimizer_tensors(optimizer))
+        return held
+
+    # ------------------------------------------------------------------ device memory
+    @property
+    def offloaded(self) -> bool:
+        return self._offload is not None and self._offload.paused
+
+    def _on_device(self, what: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"{what}: the trainer's state is offloaded (trainer.offload); call onload() first")
+
+    def offload(self) -> dict[str, Any]:
+        """Free this rank's device memory of weights, gradients and optimizer state (their
+        addresses stay reserved: compiled CUDA graphs remain valid) and return torch's cached
+        blocks to the device, for colocated engines to use.
+
+        Returns `bytes` (state that left the device), `copied_bytes` (the part copied to
+        pinned host memory: all but the gradients, which every step zeroes anyway),
+        `seconds` and `gb_per_s` (copied bytes per second, 1 GB = 1e9 bytes), and
+        `device_freed_bytes` (device memory given back, torch's cache included). Where
+        offload is off (`trainer.offload`, CPU ranks) nothing moves: the figures are zero and
+        `offload` is "off: <why>". A second call without `onload` moves nothing."""
+        if self._offload is None:
+            return self._offload_off()
+        return {**self._offload.pause(), "offload": "on"}
+
+    def onload(self) -> dict[str, Any]:
+        """Bring back what `offload` freed, at the same addresses; returns the same figures."""
+        if self._offload is None:
+            return self._offload_off()
+        return {**self._offload.resume(), "offload": "on"}
+
+    def _offload_off(self) -> dict[str, Any]:
+        return {**dict.fromkeys(("bytes", "copied_bytes", "seconds", "gb_per_s", "device_freed_bytes"), 0.0),
+                "offload": f"off: {self.offload_off_reason}"}
+
+    def memory_stats(self, reset_peak: bool = True) -> dict[str, Any]:
+        """This rank's device memory now, in bytes: `allocated` and `reserved` by torch's
+        caching allocator (they count the offloaded regions too, whose addresses stay
+        reserved), `peak_allocated` and `peak_reserved` since the last reset, `offloaded`
+        (bytes of trainer state off the device now), and `device_used` / `device_total` from
+        `torch.cuda.mem_get_info`, which sees every process on the GPU (a colocated engine
+        too). `reset_peak` (the default) starts the next peak here, so that successive calls
+        give the peak of each interval between them. On a CPU rank every figure is 0 and
+        `device` is "cpu"."""
+        from ..models import compat
+
+        keys = ("allocated", "reserved", "peak_allocated", "peak_reserved", "offloaded", "device_used",
+                "device_total")
+        if not compat.cuda_available():
+            return {"device": "cpu", **dict.fromkeys(keys, 0.0)}
+        dev = compat.device()
+        free, total = torch.cuda.mem_get_info(dev)
+        offloaded = 0.0
+        if self.offloaded:
+            offloaded = float(sum(self._offload.held_bytes().values()))
+        out = {"device": str(dev), "allocated": float(torch.cuda.memory_allocated(dev)),
+               "reserved": float(torch.cuda.memory_reserved(dev)),
+               "peak_allocated": float(torch.cuda.max_memory_allocated(dev)),
+               "peak_reserved": float(torch.cuda.max_memory_reserved(dev)), "offloaded": offloaded,
+               "device_used": float(total - free), "device_total": float(total)}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(dev)
+        return out
 
     def _wrap_ddp(self, chunks: list[Any]) -> list[Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -330,6 +444,7 @@ class MegatronTrainer:
         The old policy's logprobs come with the samples (`old_logprobs`, computed before the
         rollout's first optimizer step); without them the step is on-policy and the current
         logprobs, detached, are the old ones."""
+        self._on_device("train_step")
         algo = self.cfg.algo
         with record_function("vlmrl.micro_batches"):
             mbs = self._micro_batches(samples)
@@ -361,6 +476,7 @@ class MegatronTrainer:
 
     def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning (loss on loss-masked tokens)."""
+        self._on_device("sft_step")
         mbs = self._micro_batches(samples)
 
         def loss_fn(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
@@ -379,6 +495,7 @@ class MegatronTrainer:
         hold the full result (last pipeline stage) return it; the others return None."""
         from megatron.core import parallel_state as mps
 
+        self._on_device("logprobs")
         groups = self._groups(samples)
         mbs = self._micro_batches(samples, groups)
         self._forward_logprobs(self.model, mbs, "logp")
@@ -408,6 +525,7 @@ class MegatronTrainer:
         `adapters.iter_hf_weights`."""
         from ..models import adapters
 
+        self._on_device("iter_hf_weights")
         return adapters.iter_hf_weights(self.chunks, self.model_cfg, bucket_bytes=bucket_bytes, dtype=dtype,
                                         compact=compact)
 

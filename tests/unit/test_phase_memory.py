@@ -1,0 +1,154 @@
+"""The peak of each phase of a step (vlmrl.config.memory.phase_memory), its comparison with
+measurements, and the trainer.offload rules: figures checked by hand on round numbers, and
+the reference recipe, whose colocated rollout only fits with the trainer offloaded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vlmrl.config import load
+from vlmrl.config.memory import (
+    ENGINE_RUNTIME_BYTES,
+    GIB,
+    PROCESS_BYTES,
+    MemoryEstimate,
+    compare_phase_memory,
+    count_params,
+    engine_weight_bytes,
+    measured_phase_peak,
+    offload_config_problems,
+    offload_host_bytes,
+    phase_estimates,
+    phase_memory,
+    trainer_offload,
+)
+
+REFERENCE = ["experiment=geo3k_qwen35"]
+# one H100 shared by the tiny model's trainer and one SGLang engine
+SHARED = ["hardware=h100", "rollout=sglang", "cluster.num_gpus=1", "cluster.colocate=true", "rollout.num_gpus=1",
+          "rollout.sglang.mem_fraction_static=0.5", "rollout.weight_update_bucket_mb=100", "hardware.cuda_graphs=false",
+          "model.dtype=bfloat16"]
+# round figures: 1 GiB of weights, 2 of gradients, 3 of optimizer state, 4 of activations
+MEM = MemoryEstimate(params=1 * GIB, grads=2 * GIB, optimizer=3 * GIB, activations=4 * GIB,
+                     tokens_per_micro_batch=1024, rollout_pool=40 * GIB, forward_activations=0.5 * GIB)
+
+
+def _cfg(*overrides: str):
+    return load(list(overrides), check_rules=False)
+
+
+def _phases(cfg, mem=MEM) -> dict:
+    return {p.phase: p for p in phase_memory(cfg, mem)}
+
+
+def test_colocated_phases_add_up_by_hand():
+    cfg = _cfg(*SHARED)
+    assert ENGINE_RUNTIME_BYTES == 4 * GIB and PROCESS_BYTES == 1.5 * GIB  # the figures below use these
+    ph = _phases(cfg)
+    assert [p.where for p in ph.values()] == ["shared"] * 4
+    # rollout: engine pool 0.5 x 80 + its graphs 4 + two processes 1.5 each; trainer offloaded
+    assert ph["rollout"].total == pytest.approx((40 + 4 + 1.5 + 1.5) * GIB)
+    # logprob: state 1 + 2 + 3, forward activations 0.5, two processes
+    assert ph["logprob"].total == pytest.approx((6 + 0.5 + 3) * GIB)
+    # train: state 6, training activations 4, two processes
+    assert ph["train"].total == pytest.approx((6 + 4 + 3) * GIB)
+    # sync: state 6, the engine's weights, two buckets of 100 MiB, two processes
+    weights = count_params(cfg).total * 2  # bfloat16 on one engine GPU
+    assert engine_weight_bytes(cfg) == weights
+    assert ph["sync"].total == pytest.approx(6 * GIB + weights + 200 * 1024**2 + 3 * GIB)
+    # every figure comes with its parts
+    assert dict(ph["train"].parts) == {"trainer weights": 1 * GIB, "trainer gradients": 2 * GIB,
+                                       "trainer optimizer state": 3 * GIB, "trainer process": PROCESS_BYTES,
+                                       "trainer activations (training micro-batch)": 4 * GIB,
+                                       "released engine process": PROCESS_BYTES}
+
+
+def test_offload_host_memory_holds_weights_and_optimizer_state():
+    assert offload_host_bytes(_cfg(*SHARED), MEM) == 4 * GIB  # weights 1 + optimizer 3; gradients dropped
+    assert offload_host_bytes(_cfg(*SHARED, "algo.kl_coef=0.1"), MEM) == 5 * GIB  # and the reference weights
+    assert offload_host_bytes(_cfg(*SHARED, "trainer.offload=false"), MEM) == 0
+    assert offload_host_bytes(_cfg(), MEM) == 0  # CPU
+
+
+def test_offload_off_keeps_the_trainer_state_in_the_rollout():
+    on = _phases(_cfg(*SHARED))
+    off = _phases(_cfg(*SHARED, "trainer.offload=false"))
+    assert off["rollout"].total - on["rollout"].total == pytest.approx(6 * GIB)
+    for phase in ("logprob", "train", "sync"):  # the trainer is on the GPU there either way
+        assert off[phase].total == on[phase].total
+
+
+def test_cuda_graph_pools_stay_and_a_reference_model_counts():
+    graphs = _phases(_cfg(*SHARED, "hardware.cuda_graphs=true"))
+    plain = _phases(_cfg(*SHARED))
+    # the graph trees' pools hold the training activations, in every phase, offloaded or not
+    assert graphs["rollout"].total - plain["rollout"].total == pytest.approx(4 * GIB)
+    assert graphs["train"].total == plain["train"].total
+    assert graphs["logprob"].total - plain["logprob"].total == pytest.approx(4 * GIB)
+    kl = _phases(_cfg(*SHARED, "algo.kl_coef=0.1"))
+    assert kl["train"].total - plain["train"].total == pytest.approx(1 * GIB)  # its weights
+    assert kl["rollout"].total == plain["rollout"].total  # offloaded with the rest
+
+
+def test_separate_gpus_and_cpu():
+    sep = phase_memory(_cfg("hardware=h100", "rollout=sglang", "cluster.num_gpus=2", "rollout.num_gpus=1",
+                            "rollout.sglang.mem_fraction_static=0.5", "hardware.cuda_graphs=false"), MEM)
+    assert [(p.phase, p.where) for p in sep] == [("rollout", "engine"), ("logprob", "trainer"), ("train", "trainer")]
+    assert sep[0].total == pytest.approx((40 + 4 + 1.5) * GIB)
+    assert sep[2].total == pytest.approx((6 + 4 + 1.5) * GIB)
+    assert phase_memory(_cfg()) == [] and phase_estimates(_cfg()) == {}
+
+
+def test_reference_recipe_rollout_fits_only_with_the_trainer_offloaded():
+    cfg = _cfg(*REFERENCE)
+    gpu = cfg.hardware.gpu_memory_gb * GIB
+    assert trainer_offload(cfg)  # null: on, colocated on GPUs
+    est = phase_estimates(cfg)
+    assert set(est) == {"rollout", "logprob", "train", "sync"}
+    assert all(v < gpu for v in est.values()), {k: v / GIB for k, v in est.items()}
+    off = phase_estimates(_cfg(*REFERENCE, "trainer.offload=false"))
+    assert off["rollout"] > gpu
+    # the difference is the trainer's whole state: about 81 GiB of weights, grads and Adam
+    assert 75 * GIB < off["rollout"] - est["rollout"] < 90 * GIB
+
+
+def test_plan_prints_the_phases_and_warns_without_offload():
+    from vlmrl.plan import render_plan
+
+    text = render_plan(_cfg(*REFERENCE, "trainer.offload=false"))
+    assert "peak per GPU in each phase of a step" in text
+    for phase in ("rollout", "logprob", "train", "sync"):
+        assert f"│ {phase}" in text
+    assert "warning: the rollout phase needs about" in text and "trainer.offload=true" in text
+    assert "warning: the rollout phase" not in render_plan(_cfg(*REFERENCE))
+
+
+def test_compare_phase_memory():
+    est = {"rollout": 100 * GIB, "train": 50 * GIB, "sync": 60 * GIB}
+    assert compare_phase_memory(est, {"rollout": 108 * GIB, "train": 46 * GIB}) == []
+    problems = compare_phase_memory(est, {"rollout": 125 * GIB, "train": 40 * GIB, "logprob": 1 * GIB})
+    assert len(problems) == 3
+    assert problems[0].startswith("rollout: measured 125.0 GiB, 25% more than the estimated 100.0 GiB")
+    assert problems[1].startswith("train: measured 40.0 GiB, 20% less")
+    assert problems[2].startswith("logprob: measured 1.0 GiB but the plan has no estimate")
+    assert compare_phase_memory(est, {"rollout": 125 * GIB}, tolerance=0.3) == []
+
+
+def test_measured_phase_peak_puts_the_trainers_peak_back():
+    stats = {"device_used": 100.0, "reserved": 30.0, "peak_reserved": 45.0, "allocated": 1.0}
+    assert measured_phase_peak(stats) == 115.0
+
+
+def test_offload_rules():
+    cpu = _cfg()
+    assert not trainer_offload(cpu) and offload_config_problems(cpu) == []
+    forced = dataclasses.replace(cpu, trainer=dataclasses.replace(cpu.trainer, offload=True))
+    (problem,) = offload_config_problems(forced)
+    assert "trainer.offload=true needs GPUs" in problem and "hardware.device='cpu'" in problem
+    assert trainer_offload(_cfg(*SHARED)) and offload_config_problems(_cfg(*SHARED, "trainer.offload=true")) == []
+    separate = _cfg("hardware=h100", "rollout=sglang", "cluster.num_gpus=2", "rollout.num_gpus=1")
+    assert not trainer_offload(separate)
+    assert trainer_offload(dataclasses.replace(separate, trainer=dataclasses.replace(separate.trainer, offload=True)))
+    assert not trainer_offload(_cfg(*SHARED, "trainer.offload=false"))
