@@ -175,6 +175,8 @@ class Loop:
         # colocated: who holds the GPUs' memory in each phase (None when nothing is shared)
         self.colo: Any = None
         self.last_sync_bytes = 0  # bytes the last weight sync sent each engine
+        self._measured: dict[str, float] = {}  # this step's phase peaks (bytes), on GPUs
+        self.memory_problems: list[str] = []  # the first differences from the plan's estimate
 
     # ------------------------------------------------------------ components
     def _resolve_model(self) -> None:
@@ -395,13 +397,34 @@ class Loop:
         asyncio.run(call())
 
     # ------------------------------------------------------------ colocation
-    def _offload(self) -> bool:
-        """Whether the trainer leaves the GPU while colocated engines generate
-        (`trainer.offload`; null: exactly when colocated on GPUs)."""
-        cfg = self.cfg
-        if cfg.trainer.offload is not None:
-            return bool(cfg.trainer.offload)
-        return bool(cfg.cluster.colocate and cfg.hardware.device == "cuda")
+    def _phase_memory(self, phase: str) -> None:
+        """On GPUs: the peak device memory of the phase that just ended on the most loaded
+        trainer GPU (every process on it, the colocated engine too), kept for the step's
+        metrics and compared with the plan's estimate (`vlmrl.config.memory`)."""
+        if self.cfg.hardware.device != "cuda":
+            return
+        from .config.memory import measured_phase_peak
+
+        self._measured[phase] = max(measured_phase_peak(m) for m in self.trainer.memory_stats())
+
+    def _check_phase_memory(self) -> dict[str, float]:
+        """The step's measured phase peaks (GiB) beside the plan's, and the plan's problems
+        (printed the first time they appear, kept for summary.json)."""
+        from .config.memory import GIB, compare_phase_memory, phase_estimates
+
+        measured, self._measured = self._measured, {}
+        if not measured:
+            return {}
+        plan = phase_estimates(self.cfg)
+        out = {f"memory/{k}_gib": v / GIB for k, v in measured.items()}
+        out.update({f"memory/{k}_plan_gib": plan[k] / GIB for k in measured if k in plan})
+        problems = compare_phase_memory(plan, measured)
+        out["memory/plan_problems"] = float(len(problems))
+        if problems and not self.memory_problems:
+            print("note: measured memory differs from the plan (python -m vlmrl.plan) by more than 10%: "
+                  + "; ".join(problems))
+        self.memory_problems = self.memory_problems or problems
+        return out
 
     def _release_engines(self, tags: tuple[str, ...]) -> None:
         """Engines give back `tags` (each drains its requests first); a router in front of
@@ -498,6 +521,7 @@ class Loop:
             self._next = None
         else:
             prompts, batch, t_rollout = self._rollout(state.step)
+        self._phase_memory("rollout")
         pending = None
         if cfg.cluster.async_rollout and state.step + 1 < cfg.num_steps:
             # the next rollout overlaps this step's training, with the weights the engines
@@ -532,17 +556,21 @@ class Loop:
             for s, lp in zip(samples, self.trainer.logprobs(samples)):
                 s.old_logprobs = lp.tolist()
         logprob_time = time.perf_counter() - t_logprob
+        if cfg.cluster.async_rollout or steps > 1:
+            self._phase_memory("logprob")
         train_metrics: list[dict[str, float]] = []
         for k in range(steps):
             chunk = [samples[i] for i in order[k * per:(k + 1) * per]]
             self._trained_since_sync = True
             train_metrics.append(self.trainer.train_step(chunk))
         train_time = time.perf_counter() - t_train
+        self._phase_memory("train")
         if pending is not None:  # engines finish the overlapped rollout before taking new weights
             self._next = pending.result()
         # colocated: the engines take their weights back to receive the new ones; KV cache and
         # graphs return (and the trainer leaves) when the next rollout or eval needs them
         sync_time = self._sync_weights(f"step-{state.step + 1}")
+        self._phase_memory("sync")
         state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
 
         metrics = rollout_metrics(records, rewards)
@@ -571,6 +599,7 @@ class Loop:
             "rollout/reward_errors": self.pool.stats.errors,
             "data/skipped_rows": self.train_data.skips.total,
         })
+        metrics.update(self._check_phase_memory())
         if self.colo is not None:  # this step's moves of device memory (the next rollout's included)
             moved = self.colo.take_seconds()
             metrics.update({mk.PERF_OFFLOAD_TIME: moved.get("offload", 0.0),
@@ -617,9 +646,10 @@ class Loop:
             if cfg.cluster.colocate:
                 self._start_engines()
                 from .cluster.colocation import Colocation
+                from .config.memory import trainer_offload
 
                 self.colo = Colocation(release=self._release_engines, resume=self._resume_engines,
-                                       offload=self._offload())
+                                       offload=trainer_offload(cfg))
                 self.colo.to("train")
             self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,
                                         wait=False)  # returns once the ranks are requested
@@ -691,6 +721,8 @@ class Loop:
             "run_dir": str(self.run_dir),
             "plots": str(self.run_dir / "plots"),
         }
+        if self.memory_problems:
+            summary["memory_plan_problems"] = self.memory_problems
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"run dir: {self.run_dir}\nplots: {self.run_dir / 'plots'}\n"
               f"eval accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f} "
