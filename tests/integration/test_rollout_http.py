@@ -287,15 +287,17 @@ def test_control_endpoints(engine, server):
             info = await client.get_model_info()
             assert info["is_generation"] and info["model_path"] == engine.model_path
             await client.release_memory_occupation()
-            assert not await client.health()
+            # alive while released: asked through the load report, not SGLang's token-running /health
+            assert await client.health() and _get(server.url + "/health")[0] == 503
             with pytest.raises(EngineError):
                 await client.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
             # no tags released everything, CUDA graphs included (SGLang's default)
             assert engine.released_tags == set(MEMORY_TAGS) == {"weights", "kv_cache", "cuda_graph"}
             await client.resume_memory_occupation(["weights"])  # SGLang's tags, in its JSON body
-            assert not await client.health() and engine.released_tags == {"kv_cache", "cuda_graph"}
+            assert client.held == {"kv_cache", "cuda_graph"} and engine.released_tags == {"kv_cache", "cuda_graph"}
+            assert _get(server.url + "/health")[0] == 503
             await client.resume_memory_occupation(["kv_cache"])
-            assert not await client.health()  # a graph replay would read freed memory: refused
+            assert _get(server.url + "/health")[0] == 503  # a graph replay would read freed memory: refused
             with pytest.raises(EngineError, match="released"):
                 await client.generate([GenerateRequest(text="x", sampling=SamplingParams(max_new_tokens=1))])
             with pytest.raises(EngineError, match="not released"):  # resuming twice fails, as in SGLang
@@ -864,6 +866,11 @@ def test_released_engine_gets_no_request_and_a_router_client_is_held(engine, ser
             router.hold(["kv_cache"])
             with pytest.raises(EngineError, match="released"):
                 await router.generate([req])
+            # SGLang's /health runs a token and its scheduler died on one while released: the
+            # client asks the load report instead, and the server stays untouched
+            health_refusals = server.stats["refused_health_released"]
+            assert await client.health() and await router.health()
+            assert server.stats["refused_health_released"] == health_refusals
             await client.resume_memory_occupation(["kv_cache"])
             router.unhold(["kv_cache"])
             assert not client.held and not router.held
@@ -875,6 +882,12 @@ def test_released_engine_gets_no_request_and_a_router_client_is_held(engine, ser
     a, b = _run(go())
     assert a.output_ids == b.output_ids and len(a.output_ids) == 3
     assert engine.stats["refused_generate_released"] == refused  # nothing reached the server
+    # the server itself, asked /health while released, refuses (503) and counts it
+    before = server.stats["refused_health_released"]
+    assert _post(server.url + "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert _get(server.url + "/health")[0] == 503 and server.stats["refused_health_released"] == before + 1
+    assert _post(server.url + "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert _get(server.url + "/health")[0] == 200
 
 
 def test_drain_waits_for_requests_of_other_clients(engine, server):

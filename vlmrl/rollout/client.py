@@ -388,8 +388,14 @@ class HTTPEngine:
         await self._call("POST", "/flush_cache", None, expect_json=False)
 
     async def health(self, *, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers. SGLang's /health runs one token through the scheduler,
+        which dies when its memory is released (seen with 0.5.17): while anything is released
+        the server's load report is asked instead."""
+        path = "/health"
+        if self._held:
+            path = "/v1/loads?include=core" if (await self.protocol()).loads else "/server_info"
         try:
-            await self._call("GET", "/health", None, timeout_s=timeout_s, retries=0, expect_json=False)
+            await self._call("GET", path, None, timeout_s=timeout_s, retries=0, expect_json=False)
             return True
         except EngineError:
             return False

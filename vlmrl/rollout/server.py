@@ -38,7 +38,8 @@ weight-update session, the text of the release precondition. Routes (as in SGLan
                                       session; begin while one is open and end while none is
                                       are refused (400) too. Elsewhere these paths are 404.
   POST|GET /release_memory_occupation, /resume_memory_occupation ({"tags": [...]}), /flush_cache
-  GET  /health, /health_generate (runs one greedy token), /get_model_info, /model_info
+  GET  /health, /health_generate (both run one greedy token, as SGLang's do), /get_model_info,
+       /model_info
   GET  /server_info                   {"version": the emulated release, "startup_time", ...}
   GET  /v1/loads                      {"timestamp", "version", "loads": [{the contract's core
                                       keys: num_running_reqs / num_waiting_reqs are the requests
@@ -60,7 +61,9 @@ a memory release while any request runs or waits (SGLang asserts the server is i
 scheduler dies) is answered 500 with SGLang's assertion text (`release_refused_busy`); a
 /generate while memory is released (SGLang 0.5.17 crashed) is refused by the embedded engine
 (503) and a weight update while the weights are released too (400), both counted in the
-engine's stats (`refused_generate_released`, `refused_update_released`).
+engine's stats (`refused_generate_released`, `refused_update_released`); so is a /health
+while released (SGLang's runs a token through the scheduler, which died on it when released:
+`refused_health_released`, 503).
 """
 
 from __future__ import annotations
@@ -185,7 +188,8 @@ class _State:
     session: bool = False
     started: float = field(default_factory=time.time)
     stats: dict[str, int] = field(default_factory=lambda: {"release_refused_busy": 0,
-                                                           "update_refused_no_session": 0})
+                                                           "update_refused_no_session": 0,
+                                                           "refused_health_released": 0})
 
 
 # application -> (the SGLangProtocol it speaks, its _State)
@@ -375,11 +379,11 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
         await engine.flush_cache()
         return web.Response(text="Cache flushed.\n")
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(status=200 if await engine.health() else 503)
-
     async def health_generate(request: web.Request) -> web.Response:
+        # SGLang answers /health as /health_generate: one greedy token through the scheduler,
+        # which dies when its memory is released (seen with 0.5.17); refused and counted here
         if not await engine.health():
+            state.stats["refused_health_released"] += 1
             return web.Response(status=503)
         try:
             await asyncio.wait_for(engine.generate([GenerateRequest(
@@ -424,7 +428,7 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
         app.router.add_route(method, "/release_memory_occupation", release)
         app.router.add_route(method, "/resume_memory_occupation", resume)
         app.router.add_route(method, "/flush_cache", flush)
-    app.router.add_get("/health", health)
+    app.router.add_get("/health", health_generate)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/model_info", model_info)
