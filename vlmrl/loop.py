@@ -446,10 +446,10 @@ class Loop:
             self.colo.to(name)
 
     def _need_trainer(self) -> None:
-        """The trainer's state on the GPU (checkpoints, exports): as in training, unless it is
-        there already."""
+        """The trainer's state on the GPU (checkpoints, exports), unless it is there already: as
+        for a sync, so the engines keep their weights (released ones would need a sync again)."""
         if self.colo is not None and not self.colo.now.trainer:
-            self.colo.to("train")
+            self.colo.to("sync")
 
     def _sync_weights(self, version: str) -> float:
         self._phase("sync")
@@ -459,6 +459,8 @@ class Loop:
                                                              weight_version=version) or 0)
         self.engine_version = version  # every sample generated from now on should report it
         self._trained_since_sync = False
+        if self.colo is not None:
+            self.colo.synced()
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------ phases
@@ -667,6 +669,8 @@ class Loop:
             if resume is not None:
                 self._restore(resume)
                 self._sync_weights(f"resume-{resume_step}")
+            elif self.colo is not None:  # the engines gave their weights up while the trainer built
+                self._sync_weights("init")
             if cfg.algo.name == "sft":
                 self.sft(cfg.num_steps)
                 self._sync_weights("sft")

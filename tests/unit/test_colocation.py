@@ -72,6 +72,7 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
     assert calls == [("release", ("kv_cache", "weights", "cuda_graph"))]
     colo.trainer = Trainer()
     colo.trainer_started()
+    colo.synced()  # the run's first sync: the released weights are the trainer's again
     calls.clear()
     colo.to("generate")
     colo.to("generate")
@@ -83,3 +84,31 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
     assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload"} and colo.take_seconds() == {}
     with pytest.raises(ValueError, match="unknown phase"):
         colo.to("evaluate")
+
+
+def test_generating_from_released_weights_is_refused_until_a_sync():
+    """Released weights are not kept: after a release of the engines' weights, `generate` is
+    refused until `synced`; a checkpoint between a sync and the next rollout goes to `sync`,
+    which keeps them."""
+    calls = []
+
+    class Trainer:
+        def offload(self):
+            return {}
+
+        def onload(self):
+            return {}
+
+    colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),
+                      offload=True, trainer=Trainer())
+    colo.trainer_started()
+    colo.to("train")
+    with pytest.raises(RuntimeError, match="released and not synced"):
+        colo.to("generate")
+    colo.to("sync")
+    colo.synced()
+    colo.to("generate")
+    calls.clear()
+    colo.to("sync")  # e.g. for a checkpoint: the weights stay where they are
+    assert ("release", ("kv_cache", "weights", "cuda_graph")) not in calls and not colo.weights_stale
+    colo.to("generate")

@@ -14,6 +14,11 @@ A colocated step moves through phases, each with its own tenants:
 ones that free memory first (engine releases, the trainer's offload), then the ones that take
 it (the trainer's onload, engine resumes). `Colocation` carries them out on the engines and the
 trainer group and keeps the current residency. Without colocation nothing moves.
+
+Released weights are not kept (SGLang frees them without a copy): from a release of the
+engines' weights until the next sync (`synced`), entering `generate` is refused. So whatever
+needs the trainer on the GPU between a sync and the next rollout (a checkpoint) goes to `sync`,
+which keeps the engines' weights, not to `train`.
 """
 
 from __future__ import annotations
@@ -84,17 +89,23 @@ class Colocation:
     now: Residency = field(default_factory=lambda: Residency(ALL_TAGS, trainer=False))
     seconds: dict[str, float] = field(default_factory=dict)
     moved_bytes: dict[str, float] = field(default_factory=dict)
+    # the engines' weights were released since the last sync: they hold nothing usable
+    weights_stale: bool = False
 
     def to(self, name: str) -> None:
         """Move to phase `name` (a no-op when already there)."""
         target = phase(name, offload=self.offload)
         if self.trainer is None:  # the trainer has not started: only the engines move
             target = Residency(target.engine, trainer=self.now.trainer)
+        if name == "generate" and self.weights_stale:
+            raise RuntimeError("the engines' weights were released and not synced since: they would generate from "
+                               "freed memory (sync the trainer's weights before the next rollout or eval)")
         for kind, tags in plan(self.now, target):
             t0 = time.perf_counter()
             if kind == "release":
                 self.release(tags)
                 self.now = Residency(self.now.engine - set(tags), self.now.trainer)
+                self.weights_stale = self.weights_stale or "weights" in tags
             elif kind == "resume":
                 self.resume(tags)
                 self.now = Residency(self.now.engine | set(tags), self.now.trainer)
@@ -103,6 +114,10 @@ class Colocation:
                 self.moved_bytes[kind] = self.moved_bytes.get(kind, 0.0) + float((figures or {}).get("bytes", 0))
                 self.now = Residency(self.now.engine, trainer=kind == "onload")
             self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+
+    def synced(self) -> None:
+        """The engines hold the trainer's weights again (a sync reached them)."""
+        self.weights_stale = False
 
     def trainer_started(self) -> None:
         """The trainer group exists and holds its state on the GPU."""
