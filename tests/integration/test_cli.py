@@ -26,6 +26,7 @@ def readme_commands() -> list[str]:
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     cmds = []
     for block in blocks:
+        block = re.sub(r"\\\n\s*", " ", block)  # a command continued over lines is one command
         for line in block.splitlines():
             line = line.split("  #")[0].strip()
             if line.startswith("python -m vlmrl."):

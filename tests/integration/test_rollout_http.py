@@ -772,19 +772,12 @@ def test_weight_update_sessions_where_the_release_has_them(engine, servers, vers
         _run(engine.update_weights_from_tensor([("model.norm.weight", original)], weight_version="0"))
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-def test_release_while_busy_is_refused_counted_and_survived(engine, servers, version):
-    """SGLang asserts it is idle on a memory release, and its scheduler dies when a request
-    runs. The embedded server answers 500 with SGLang's assertion text instead, counts it,
-    releases nothing and finishes the request; vlmrl's client, which drains first, is never
-    refused."""
+def _long_request_running(url: str, text: str, tokens: int) -> tuple[Any, dict[str, Any]]:
+    """Post a greedy request of `tokens` tokens from another thread (another client) and wait
+    until the server reports it running; returns the thread and the dict its reply lands in."""
     import threading
 
-    srv = servers[version]
-    url = srv.url
-    before = srv.stats["release_refused_busy"]
-    text = _prompt(engine.processor, "Describe a triangle.")
-    long = {"text": text, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    long = {"text": text, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
     out: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: out.update(reply=_post(url + "/generate", long, timeout=300)), daemon=True)
     worker.start()
@@ -792,6 +785,20 @@ def test_release_while_busy_is_refused_counted_and_survived(engine, servers, ver
     while _get(url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] < 1:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.005)
+    return worker, out
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_release_while_busy_is_refused_counted_and_survived(engine, servers, version):
+    """SGLang asserts it is idle on a memory release, and its scheduler dies when a request
+    runs. The embedded server answers 500 with SGLang's assertion text instead, counts it,
+    releases nothing and finishes the request; vlmrl's client, which drains first, is never
+    refused."""
+    srv = servers[version]
+    url = srv.url
+    before = srv.stats["release_refused_busy"]
+    text = _prompt(engine.processor, "Describe a triangle.")
+    worker, out = _long_request_running(url, text, 400)
     status, reply = _post(url + "/release_memory_occupation", {})
     assert status == 500, reply
     assert reply["error"]["message"] == load_contract(version)["memory"]["release_requires_idle"]["message"]
@@ -893,19 +900,9 @@ def test_released_engine_gets_no_request_and_a_router_client_is_held(engine, ser
 def test_drain_waits_for_requests_of_other_clients(engine, server):
     """A release waits until the server runs nothing, also requests this client never sent
     (another client's, or ones whose caller went away): the server's /v1/loads says when."""
-    import threading
-
     url = server.url
     before = server.stats["release_refused_busy"]
-    text = _prompt(engine.processor, "Describe a circle.")
-    long = {"text": text, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
-    out: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: out.update(reply=_post(url + "/generate", long, timeout=300)), daemon=True)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while _get(url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] < 1:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.005)
+    _, out = _long_request_running(url, _prompt(engine.processor, "Describe a circle."), 300)
 
     async def release(timeout_s):
         client = HTTPEngine(url, max_retries=0, drain_timeout_s=timeout_s)

@@ -44,6 +44,19 @@ def _placement(ray, bundles):
     return Placement(group, trainer_bundles=[], engine_bundles=list(range(len(bundles))))
 
 
+def _take_bundle(ray, placement, cpus: float) -> object:
+    """An actor holding `cpus` CPUs of bundle 0, once Ray has placed it."""
+
+    @ray.remote(num_cpus=cpus)
+    class Holder:
+        def ready(self):
+            return True
+
+    holder = Holder.options(scheduling_strategy=placement.strategy(0)).remote()
+    assert ray.get(holder.ready.remote(), timeout=30)
+    return holder
+
+
 def test_versions_are_read_without_import_and_checked_against_the_contracts():
     from vlmrl.rollout.sglang_contract import known_versions
 
@@ -76,14 +89,7 @@ def test_an_actor_ray_cannot_place_fails_within_the_startup_timeout(tmp_path, ra
 
     cfg = _cfg(tmp_path)
     placement = _placement(ray_cpu, [{"CPU": 1}])
-
-    @ray_cpu.remote(num_cpus=1)
-    class Holder:
-        def ready(self):
-            return True
-
-    holder = Holder.options(scheduling_strategy=placement.strategy(0)).remote()
-    assert ray_cpu.get(holder.ready.remote(), timeout=60)
+    holder = _take_bundle(ray_cpu, placement, 1)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"Ray did not place the 1 SGLang engine actors \(each asks for 0.0 GPU"):
         asyncio.run(launch_sglang_engines(cfg.rollout, cfg.hardware, cfg.model, [EngineSlot(0, 0, ())],
@@ -106,14 +112,5 @@ def test_an_interpreter_without_sglang_is_refused_by_name_in_its_bundle(tmp_path
         asyncio.run(launch_sglang_engines(cfg.rollout, cfg.hardware, cfg.model, [EngineSlot(0, 0, ())],
                                           run_dir=tmp_path, placement=placement, colocate=True,
                                           gpu_fraction=0.0, cpus_per_actor=0.5))
-    # the engine actor is gone: the whole bundle can be taken again
-
-    @ray_cpu.remote(num_cpus=1)
-    class Whole:
-        def ready(self):
-            return True
-
-    whole = Whole.options(scheduling_strategy=placement.strategy(0)).remote()
-    assert ray_cpu.get(whole.ready.remote(), timeout=30)
-    ray_cpu.kill(whole)
+    ray_cpu.kill(_take_bundle(ray_cpu, placement, 1))  # the engine actor is gone: the whole bundle is free
     ray_cpu.util.remove_placement_group(placement.group)
