@@ -87,7 +87,7 @@ def test_an_actor_ray_cannot_place_fails_within_the_startup_timeout(tmp_path, ra
     of waiting forever."""
     from vlmrl.rollout.sglang import launch_sglang_engines
 
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, "rollout.sglang.startup_timeout_s=3")
     placement = _placement(ray_cpu, [{"CPU": 1}])
     holder = _take_bundle(ray_cpu, placement, 1)
     t0 = time.monotonic()
