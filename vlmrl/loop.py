@@ -320,12 +320,12 @@ class Loop:
             # the new server holds all its memory: it gives back its KV cache and graphs while
             # the trainer comes back on the GPU to send it the current weights (the other engines
             # keep theirs: with several colocated engines the onload needs room beside them)
-            self._engine_call(i, "release_memory_occupation", ["kv_cache", "cuda_graph"])
+            self._engines_call("release_memory_occupation", ["kv_cache", "cuda_graph"], only=i)
             self.trainer.onload()
         self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=http)
         if offloaded:
             self.trainer.offload()
-            self._engine_call(i, "resume_memory_occupation", ["cuda_graph", "kv_cache"])
+            self._engines_call("resume_memory_occupation", ["cuda_graph", "kv_cache"], only=i)
 
     # ------------------------------------------------------------ checkpoints
     def _resume_from(self) -> Path | None:
@@ -370,31 +370,21 @@ class Loop:
             asyncio.run(self.sglang.shutdown())
             self.sglang = None
 
-    def _engines_call(self, method: str, *args: Any) -> None:
+    def _engines_call(self, method: str, *args: Any, only: int | None = None) -> None:
+        """`method(*args)` on every engine's admin client (`only`: on engine `only` alone)."""
         import asyncio
 
         from .rollout.manager import close_sessions
+
+        engines = self.admin_engines if only is None else [self.admin_engines[only]]
 
         async def call_all() -> None:
             try:
-                await asyncio.gather(*(getattr(e, method)(*args) for e in self.admin_engines))
+                await asyncio.gather(*(getattr(e, method)(*args) for e in engines))
             finally:
-                await close_sessions(self.admin_engines)
+                await close_sessions(engines)
 
         asyncio.run(call_all())
-
-    def _engine_call(self, i: int, method: str, *args: Any) -> None:
-        import asyncio
-
-        from .rollout.manager import close_sessions
-
-        async def call() -> None:
-            try:
-                await getattr(self.admin_engines[i], method)(*args)
-            finally:
-                await close_sessions([self.admin_engines[i]])
-
-        asyncio.run(call())
 
     # ------------------------------------------------------------ colocation
     def _phase_memory(self, phase: str) -> None:

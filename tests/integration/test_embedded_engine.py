@@ -10,16 +10,17 @@ import tempfile
 import pytest
 import torch
 
+from vlmrl.cluster.colocation import phase, plan
 from vlmrl.data.images import encode_data_uri as encode_image_data_uri
 from vlmrl.rollout.embedded import EmbeddedEngine
-from vlmrl.rollout.protocol import (
-    COLOCATED_RELEASE,
-    COLOCATED_RESUME_AFTER_SYNC,
-    COLOCATED_RESUME_BEFORE_SYNC,
-    EngineError,
-    GenerateRequest,
-    SamplingParams,
-)
+from vlmrl.rollout.protocol import EngineError, GenerateRequest, SamplingParams
+
+# the colocated hand-over (without offload, so the engine's moves alone): released for
+# training, weights back for the sync, CUDA graphs and KV cache once the sync is done
+_GEN, _TRAIN, _SYNC = (phase(n, offload=False) for n in ("generate", "train", "sync"))
+COLOCATED_RELEASE = dict(plan(_GEN, _TRAIN))["release"]
+COLOCATED_RESUME_BEFORE_SYNC = dict(plan(_TRAIN, _SYNC))["resume"]
+COLOCATED_RESUME_AFTER_SYNC = dict(plan(_SYNC, _GEN))["resume"]
 
 TOL = 1e-5
 

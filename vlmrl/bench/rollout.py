@@ -118,42 +118,47 @@ def bench_embedded(model_path: str | None, batch_size: int, max_new_tokens: int,
     }
 
 
-def bench_sglang(model_path: str, reqs: list[Any], *, dtype: str = "bfloat16",
+def bench_sglang(model_path: str, reqs: list[Any], *, family: str = "qwen2_5_vl", dtype: str = "bfloat16",
                  python: str | None = None, env: dict[str, str] | None = None,
                  server_args: dict[str, Any] | None = None, mem_fraction_static: float = 0.5,
-                 min_pixels: int = 3136, max_pixels: int = 12544, run_dir: str | None = None) -> Any:
-    """A generator: starts an SGLang server for `model_path` on GPU 0 (under `python` with
-    `env` added, `server_args` merged last), yields a function that times `reqs` once (all in
-    flight together through vlmrl's client: (seconds, generated tokens, mean prompt tokens)),
-    and stops the server when closed."""
+                 run_dir: str | None = None) -> Any:
+    """A generator: starts an SGLang server for `model_path` on GPU 0 as a run does (the
+    launch arguments of `rollout=sglang hardware=h200` for the tiny model of `family`, through
+    `SGLangServerActor` outside Ray: the interpreter's release read and checked, its flags),
+    with `server_args` merged last; yields a function that times `reqs` once (all in flight
+    together through vlmrl's client: (seconds, generated tokens, mean prompt tokens)) and the
+    server's details, and stops the server when closed."""
     import asyncio
     import socket
     import tempfile
 
+    from ..config import load
+    from ..models.tiny import TINY_OPTIONS
     from ..rollout.client import HTTPEngine
-    from ..rollout.sglang import ManagedProcess, installed_sglang_version, server_command, to_cli  # noqa: F401
+    from ..rollout.sglang import SGLangServerActor, check_sglang_version
+    from ..rollout.sglang import server_args as run_server_args
     from ..rollout.sglang_flags import load_flags
 
-    full_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
-    version = installed_sglang_version(python, full_env)
+    cfg = load([f"model={TINY_OPTIONS[family]}", "rollout=sglang", "hardware=h200", f"model.dtype={dtype}",
+                f"rollout.sglang.mem_fraction_static={mem_fraction_static}"], check_rules=False)
+    server = SGLangServerActor((0,), log_path=str(Path(run_dir or tempfile.mkdtemp()) / "sglang-bench.log"),
+                               python=python, env=env)
+    version = check_sglang_version([server.sglang_version()], None)
     flags = load_flags(version)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args: dict[str, Any] = {"model_path": model_path, "dtype": dtype, "host": "127.0.0.1", "port": port,
-                            "mem_fraction_static": mem_fraction_static, "log_level": "warning",
-                            "mm_process_config": {"image": {"min_pixels": min_pixels, "max_pixels": max_pixels}},
-                            "max_running_requests": max(len(reqs), 1)}
+    args = run_server_args(cfg.rollout, cfg.hardware, cfg.model, port=port, model_path=model_path, flags=flags,
+                           data=cfg.data)
+    args["max_running_requests"] = max(len(reqs), 1)
     args.update(server_args or {})
     for name, value in args.items():
         flags.check_value(name, value)
-    log = Path(run_dir or tempfile.mkdtemp()) / "sglang-bench.log"
-    proc = ManagedProcess(server_command(args, flags=flags, python=python), env=full_env, log_path=log)
-    proc.start()
     t_start = time.perf_counter()
+    server.start(args, version)
 
     async def run_once() -> tuple[float, int, float]:
-        client = HTTPEngine(f"http://127.0.0.1:{port}", max_concurrency=max(len(reqs), 1), tensor_format=None)
+        client = HTTPEngine(server.url(), max_concurrency=max(len(reqs), 1), tensor_format=None)
         try:
             t0 = time.perf_counter()
             out = await client.generate(reqs)
@@ -162,27 +167,17 @@ def bench_sglang(model_path: str, reqs: list[Any], *, dtype: str = "bfloat16",
             await client.close()
         return dt, sum(len(r.output_ids) for r in out), sum(r.prompt_tokens for r in out) / max(len(out), 1)
 
-    async def healthy() -> None:
-        client = HTTPEngine(f"http://127.0.0.1:{port}", max_retries=0)
-        try:
-            await client.wait_healthy(900, poll_s=2.0, is_alive=proc.alive)
-        finally:
-            await client.close()
-
     try:
-        try:
-            asyncio.run(healthy())
-        except Exception as e:
-            raise RuntimeError(f"SGLang did not start: {e}\n--- {log} ---\n{proc.tail()}") from e
+        asyncio.run(server.wait_healthy(900))  # raises with the end of the server's log
         startup = time.perf_counter() - t_start
         asyncio.run(run_once())  # warm-up
         yield (lambda: asyncio.run(run_once())), {"sglang_version": version, "startup_s": startup,
                                                    "server_args": args}
     finally:
-        proc.stop()
+        server.stop()
 
 
-def compare_engines(model_path: str, batch_size: int, max_new_tokens: int, *, dtype: str, repeats: int,
+def compare_engines(model_path: str, batch_size: int, max_new_tokens: int, *, family: str, dtype: str, repeats: int,
                     min_pixels: int, max_pixels: int, sglang: dict[str, Any]) -> dict[str, Any]:
     """The embedded engine and SGLang on the same checkpoint, GPU and requests, timed
     alternately `repeats` times each; tokens/s of both and SGLang's ratio to the embedded one."""
@@ -196,7 +191,7 @@ def compare_engines(model_path: str, batch_size: int, max_new_tokens: int, *, dt
     engine.generate_sync(reqs[: min(4, batch_size)])  # warm-up
     runs: dict[str, list[float]] = {"embedded": [], "sglang": []}
     tokens: dict[str, int] = {}
-    server = bench_sglang(model_path, reqs, dtype=dtype, min_pixels=min_pixels, max_pixels=max_pixels, **sglang)
+    server = bench_sglang(model_path, reqs, family=family, dtype=dtype, **sglang)
     timed, info = next(server)
     try:
         for _ in range(repeats):
@@ -339,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                   "server_args": json.loads(args.sglang_server_args), "mem_fraction_static": args.sglang_mem_fraction}
         from ..config import load
 
-        data = load([]).data  # the pixel bounds the tiny checkpoints' processors carry
-        result = compare_engines(model_path, args.batch_size, args.max_new_tokens, dtype=args.dtype,
-                                 repeats=args.repeats, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-                                 sglang=sglang)
+        data = load([f"model={TINY_OPTIONS[args.family]}"]).data  # the pixel bounds its checkpoint was made with
+        result = compare_engines(model_path, args.batch_size, args.max_new_tokens, family=args.family,
+                                 dtype=args.dtype, repeats=args.repeats, min_pixels=data.min_pixels,
+                                 max_pixels=data.max_pixels, sglang=sglang)
         shown = (f"{desc}: SGLang {result['sglang_version']} "
                 f"{result['tokens_per_s_by_engine']['sglang']:.0f} tok/s, embedded "
                 f"{result['tokens_per_s_by_engine']['embedded']:.0f} ({result['sglang_over_embedded']:.2f}x)")

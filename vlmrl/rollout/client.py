@@ -348,11 +348,12 @@ class HTTPEngine:
         """Wait until this client's requests have ended and the server runs and queues none
         (requests cancelled on the client side may still be running in the server); raise
         EngineError naming what is left after `timeout_s`."""
-        deadline = time.monotonic() + (self.drain_timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while self._inflight:
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: {self._inflight} requests of this client still running after "
-                                  f"{self.drain_timeout_s:.0f} s", retryable=False)
+                                  f"{timeout_s:.0f} s", retryable=False)
             await asyncio.sleep(poll_s)
         if not (await self.protocol()).loads:
             return

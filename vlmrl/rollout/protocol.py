@@ -210,13 +210,7 @@ class Engine(Protocol):
 # engine that was released without tags must get the CUDA graphs' memory back too, or the
 # next graph replay reads freed memory.
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-
-# The colocated hand-over: release everything before training; after training take the
-# weights back first (the sync writes into them), then the CUDA graphs and the KV cache
-# once the sync's buffers are gone. The phases together cover MEMORY_TAGS exactly.
-COLOCATED_RELEASE: tuple[str, ...] = MEMORY_TAGS
-COLOCATED_RESUME_BEFORE_SYNC: tuple[str, ...] = ("weights",)
-COLOCATED_RESUME_AFTER_SYNC: tuple[str, ...] = ("cuda_graph", "kv_cache")
+# (The colocated hand-over of these tags between phases: vlmrl.cluster.colocation.)
 
 
 def memory_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
