@@ -94,22 +94,22 @@ def rollout_prompt(prompt: Any) -> Any:
                          images=tuple(encode_data_uri(im) for im in prompt.images), answer=prompt.answer)
 
 
-def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any], advantages: list[float],
-                  vision_token_ids: set[int]) -> tuple[list[Any], dict[str, int]]:
+def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any],
+                  advantages: list[float]) -> tuple[list[Any], dict[str, int]]:
     """TrainSamples of rollout records: the processor's prompt tokens (image placeholders
-    expanded exactly as in rollout) followed by the generated tokens.
+    expanded exactly as in rollout) followed by the generated tokens. A generated token is
+    text to the trainer as it was to the engine, the image token's id included
+    (`TrainSample.prompt_len`).
 
     Samples that cannot be trained on are left out and counted by reason (second return
-    value): `vision_token` (the response contains an image placeholder the model emitted,
-    which would claim image features that do not exist) and `prompt_mismatch` (the engine
-    tokenised the prompt differently from the trainer: other image pixel bounds or chat
-    template; its logprobs belong to another sequence)."""
+    value): `prompt_mismatch` (the engine tokenised the prompt differently from the trainer:
+    other image pixel bounds or chat template; its logprobs belong to another sequence)."""
     from .data.prompts import encode_prompt
     from .training.batch import TrainSample
 
     encoded: dict[int, dict[str, Any]] = {}
     out = []
-    skipped = {"vision_token": 0, "prompt_mismatch": 0}
+    skipped = {"prompt_mismatch": 0}
     for rec, adv in zip(records, advantages):
         if rec.prompt_index not in encoded:
             encoded[rec.prompt_index] = encode_prompt(processor, prompts[rec.prompt_index])
@@ -123,9 +123,6 @@ def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any], a
             skipped["prompt_mismatch"] += 1
             continue
         if not resp:
-            continue
-        if vision_token_ids.intersection(resp):
-            skipped["vision_token"] += 1
             continue
         out.append(TrainSample(
             input_ids=ids + resp, loss_mask=[0.0] * len(ids) + [1.0] * len(resp),
@@ -528,9 +525,7 @@ class Loop:
         rewards = self.pool.score([r.text for r in records], [by_index[r.prompt_index].answer for r in records])
         advantages = compute_advantages(cfg.algo.advantage_estimator, rewards, n,
                                         reward_dtype=cfg.algo.reward_dtype).tolist() if records else []
-        m = cfg.model
-        samples, skipped = train_samples(self.processor, by_index, records, advantages,
-                                         {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
+        samples, skipped = train_samples(self.processor, by_index, records, advantages)
 
         t_train = time.perf_counter()
         self._phase("train")  # colocated: the engines give their GPU memory to the trainer
@@ -584,7 +579,6 @@ class Loop:
             "rollout/retries": batch.stats.retries,
             "rollout/engine_restarts": batch.stats.engine_restarts,
             "rollout/stale_samples": stale,
-            "rollout/invalid_samples": skipped["vision_token"],
             "rollout/prompt_mismatch_samples": skipped["prompt_mismatch"],
             "rollout/reward_timeouts": self.pool.stats.timeouts,
             "rollout/reward_retries": self.pool.stats.retries,

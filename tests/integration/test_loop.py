@@ -63,10 +63,8 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
         loop._sync_weights("after-sft")
         prompts = loop.train_data.sample_batch(3)
         batch = loop.rollout.run([rollout_prompt(p) for p in prompts], step=0)
-        m = cfg.model
         samples, _ = train_samples(loop.processor, {p.index: p for p in prompts}, batch.records,
-                                   [0.0] * len(batch.records),
-                                   {m.image_token_id, m.vision_start_token_id, m.vision_end_token_id})
+                                   [0.0] * len(batch.records))
         assert samples
         trainer_lp = trainer.logprobs(samples)
         engine_lp = [torch.tensor(s.rollout_logprobs) for s in samples]

@@ -93,6 +93,56 @@ def test_step_gradient_is_the_per_token_mean(family_checkpoint):
     assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)
 
 
+def _reply_logprobs(rank: int, world: int, cfg, path: str) -> dict:
+    """Logprobs of replies that hold the image token's and the vision markers' ids: the
+    trainer's, and HF's with the engines' semantics (image features in the prompt's
+    placeholders only, every generated token embedded as a word at the next text position,
+    as the embedded engine and SGLang decode it)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.packing import mrope_position_ids
+    from vlmrl.training.batch import TrainSample
+    from vlmrl.training.trainer import MegatronTrainer
+
+    m = cfg.model
+    merge = m.vision.spatial_merge_size
+    replies = [[m.image_token_id, 40, 41], [42, m.vision_start_token_id, m.image_token_id, m.image_token_id,
+                                            m.vision_end_token_id, 43]]
+    samples = [TrainSample(s.input_ids + r, [0.0] * len(s.input_ids) + [1.0] * len(r), s.pixel_values,
+                           s.image_grid_thw) for s, r in zip(_sft_samples(cfg, path), replies)]
+    hf = AutoModelForImageTextToText.from_pretrained(path).float().eval()
+    ref = []
+    with torch.no_grad():
+        for s, reply in zip(samples, replies):
+            ids = torch.tensor(s.input_ids)
+            n = s.prompt_len
+            feats = hf.model.get_image_features(s.pixel_values, s.image_grid_thw)
+            feats = torch.cat(list(feats.pooler_output if hasattr(feats, "pooler_output") else feats))
+            emb = hf.get_input_embeddings()(ids[None])
+            emb[0, torch.nonzero(ids[:n] == m.image_token_id).view(-1)] = feats
+            pos = mrope_position_ids(ids[:n], s.image_grid_thw, image_token_id=m.image_token_id,
+                                     spatial_merge_size=merge)
+            nxt = int(pos.max()) + 1
+            pos = torch.cat([pos, torch.arange(nxt, nxt + len(reply)).expand(3, -1)], 1)
+            logits = hf(inputs_embeds=emb, position_ids=pos[:, None]).logits[0, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])[:, 0]
+            ref.append(logp[n - 1:])
+    trainer = MegatronTrainer(cfg, path)
+    return {"trainer": [t.float() for t in trainer.logprobs(samples)], "hf": ref}
+
+
+def test_generated_placeholder_ids_are_text_to_the_trainer(family_checkpoint):
+    """A sampled reply may hold the image token's id (a random or young policy emits it): the
+    trainer scores it as the engines decoded it, as a word, instead of claiming image features
+    for it (which failed the batch, `N image tokens but the grids need M`)."""
+    cfg, path = family_checkpoint
+    res = spawn_local(_reply_logprobs, 1, cfg, path)[0]
+    for got, want in zip(res["trainer"], res["hf"]):
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= 1e-4, (got, want)
+
+
 DENSE_LAYOUTS = {"tp=2": {"tp": 2}, "pp=2": {"pp": 2}, "cp=2": {"cp": 2}, "tp=2+sp": {"tp": 2, "sequence_parallel": True}}
 
 

@@ -102,13 +102,15 @@ def test_untrainable_samples_are_left_out_and_counted_by_reason(monkeypatch):
                                logprobs=[-1.0] * len(ids))
 
     # the engine cut the image into more tokens than the trainer (other pixel bounds): the
-    # sample is skipped and counted, the run goes on
+    # sample is skipped and counted, the run goes on; an empty response has nothing to train;
+    # a response holding the image token's id (5 here) is text and is kept
     records = [record(0, [7, 8]), record(1, [7, 5, 8]), record(2, []), record(3, [7], prompt_ids=[1, 2, 2, 3]),
                record(4, [9], prompt_ids=[1, 2, 3])]
-    samples, skipped = train_samples(None, {0: object()}, records, [0.5, -0.5, 0.0, 1.0, 0.25], {5})
-    assert skipped == {"vision_token": 1, "prompt_mismatch": 1} and len(samples) == 2
+    samples, skipped = train_samples(None, {0: object()}, records, [0.5, -0.5, 0.0, 1.0, 0.25])
+    assert skipped == {"prompt_mismatch": 1} and len(samples) == 3
     assert samples[0].input_ids == [1, 2, 3, 7, 8] and samples[0].loss_mask == [0, 0, 0, 1, 1]
-    assert samples[1].input_ids == [1, 2, 3, 9] and samples[1].advantage == 0.25
+    assert samples[1].input_ids == [1, 2, 3, 7, 5, 8] and samples[1].prompt_len == 3
+    assert samples[2].input_ids == [1, 2, 3, 9] and samples[2].advantage == 0.25
 
 
 def test_verifier_params_reject_parameters_the_verifier_does_not_take():

@@ -193,6 +193,30 @@ def test_cp_split_carries_positions_and_images(cp):
     assert torch.equal(merged_ids, whole.input_ids)
 
 
+def test_generated_image_token_ids_are_text():
+    """A response may hold the image token's id (a sampled token, which the engines embedded as
+    a word one position further): only the prompt's placeholders claim image features."""
+    prompt = _sample(2, [[1, 4, 6]], 0, 0)
+    n = len(prompt.input_ids)
+    reply = [IMG, 20, START, IMG, IMG, END, 21]
+    ids = torch.cat([torch.as_tensor(prompt.input_ids), torch.tensor(reply)])
+    mask = torch.tensor([0.0] * n + [1.0] * len(reply))
+    with pytest.raises(ValueError, match="9 image tokens in the sequence"):  # all of them taken as placeholders
+        pack([PackSample(ids, mask, prompt.image_grid_thw)], image_token_id=IMG, spatial_merge_size=MERGE)
+    whole = pack([PackSample(ids, mask, prompt.image_grid_thw, prompt_len=n)], image_token_id=IMG,
+                 spatial_merge_size=MERGE, pad_multiple=4)
+    alone = mrope_position_ids(torch.as_tensor(prompt.input_ids), prompt.image_grid_thw, image_token_id=IMG,
+                               spatial_merge_size=MERGE)
+    nxt = int(alone.max()) + 1
+    assert torch.equal(whole.position_ids[:, :n], alone)
+    assert torch.equal(whole.position_ids[:, n:n + len(reply)], torch.arange(nxt, nxt + len(reply)).expand(3, -1))
+    assert whole.image_mask[:n].sum() == whole.num_image_tokens == 6
+    assert not whole.image_mask[n:].any()
+    shares = [split_for_cp(whole, 2, r) for r in range(2)]
+    assert sum(s.image_token_index.numel() for s in shares) == 6
+    assert torch.equal(cp_merge([s.image_mask for s in shares], whole.padded_lens), whole.image_mask)
+
+
 def test_cp_split_of_one_is_identity():
     whole = pack([_sample(2, [], 3, 0)], image_token_id=IMG, spatial_merge_size=MERGE)
     assert split_for_cp(whole, 1, 0) is whole

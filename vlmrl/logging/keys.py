@@ -12,7 +12,6 @@ rollout
   rollout/engine_restarts       engines restarted after their process died (and re-synced)
   rollout/stale_samples         samples whose engine weight_version is not the last synced
                                 one (async mode: all; else a sync that did not land)
-  rollout/invalid_samples       responses left out for containing an image placeholder
   rollout/prompt_mismatch_samples
                                 samples left out because the engine tokenised the prompt
                                 differently (image pixel bounds, chat template)

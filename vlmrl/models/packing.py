@@ -4,6 +4,9 @@ Pure tensor functions (torch only, no process groups):
 
 - `mrope_position_ids`: the [3, T] positions of one sample, as HF's `get_rope_index` for
   Qwen2.5-VL computes them (text advances all axes; image tokens take t/h/w grid positions).
+  Image placeholders live in the prompt: a generated token is text whatever its id, as the
+  engines decode it (embedded as a word, one position further), so a response that holds the
+  image token's id claims no image features.
 - `pack`: samples -> one flat sequence with `cu_seqlens`, no padding between samples
   (unless each sample must be a multiple of `pad_multiple`, e.g. 2*cp for context
   parallelism); positions are rebuilt per sample and concatenated.
@@ -35,6 +38,9 @@ class PackSample:
     input_ids: Tensor | Sequence[int]
     loss_mask: Tensor | Sequence[float] | None = None  # None: all ones
     image_grid_thw: Tensor | Sequence[Sequence[int]] | None = None  # [n_images, 3] patch grids
+    # tokens [0, prompt_len) may be image placeholders; the rest (what an engine generated) are
+    # text whatever their ids. None: the whole sample is prompt.
+    prompt_len: int | None = None
 
 
 @dataclass
@@ -53,6 +59,9 @@ class PackedSequence:
     image_tokens_per_sample: list[int]  # image placeholder tokens of each sample (whole sample)
     # For every image placeholder token held here, its row in the concatenated image features.
     image_token_index: Tensor  # [n_image_tokens_here] long
+    # True on the image placeholder tokens held here (the image token's id in a prompt; the
+    # same id in a response is text)
+    image_mask: Tensor  # [T] bool
     # For every token held here, its index in the whole packed sequence.
     token_index: Tensor  # [T] long
     image_token_id: int = -1
@@ -87,7 +96,7 @@ class PackedSequence:
     def to(self, device: torch.device | str) -> PackedSequence:
         moved = {k: getattr(self, k).to(device) for k in
                  ("input_ids", "position_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded",
-                  "image_grid_thw", "image_token_index", "token_index")}
+                  "image_grid_thw", "image_token_index", "image_mask", "token_index")}
         return replace(self, **moved)
 
 
@@ -96,17 +105,31 @@ def image_token_count(grid_thw: Tensor, spatial_merge_size: int) -> Tensor:
     return grid_thw.long().prod(-1) // (spatial_merge_size ** 2)
 
 
+def image_placeholders(input_ids: Tensor, image_token_id: int, prompt_len: int | None = None) -> Tensor:
+    """[T] bool: the image placeholder tokens of one sample, i.e. the image token's id within its
+    first `prompt_len` tokens (None: anywhere). Beyond the prompt an engine generated the tokens
+    and embedded each as text, the image token's id included."""
+    ids = torch.as_tensor(input_ids).long().view(-1)
+    is_image = ids == image_token_id
+    if prompt_len is not None:
+        is_image[max(int(prompt_len), 0):] = False
+    return is_image
+
+
 def mrope_position_ids(input_ids: Tensor, image_grid_thw: Tensor | None, *, image_token_id: int,
-                       spatial_merge_size: int, sample_index: int | None = None) -> Tensor:
+                       spatial_merge_size: int, sample_index: int | None = None,
+                       prompt_len: int | None = None) -> Tensor:
     """[3, T] M-RoPE positions of one sample (Qwen2.5-VL rules, images only).
 
     Each image's placeholder tokens must be contiguous and number t*h*w/merge^2; the images'
-    grids are consumed in order. A mismatch raises ValueError naming `sample_index`.
+    grids are consumed in order. Placeholders are the image token's id in the first
+    `prompt_len` tokens (`image_placeholders`); later tokens advance as text. A mismatch raises
+    ValueError naming `sample_index`.
     """
     ids = torch.as_tensor(input_ids).long().view(-1)
     n = ids.shape[0]
     where = f"sample {sample_index}: " if sample_index is not None else ""
-    is_image = ids == image_token_id
+    is_image = image_placeholders(ids, image_token_id, prompt_len)
     image_pos = torch.nonzero(is_image).view(-1)
     grids = (torch.zeros(0, 3, dtype=torch.long) if image_grid_thw is None
              else torch.as_tensor(image_grid_thw).long().view(-1, 3).cpu())
@@ -167,7 +190,7 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         raise ValueError("pack needs at least one sample")
     if pad_to is not None and pad_to % pad_multiple:
         raise ValueError(f"pad_to={pad_to} is not a multiple of pad_multiple={pad_multiple}")
-    ids_l, pos_l, mask_l, grids_l = [], [], [], []
+    ids_l, pos_l, mask_l, grids_l, image_l = [], [], [], [], []
     seq_lens, padded_lens, n_images, n_image_tokens = [], [], [], []
     for i, s in enumerate(samples):
         ids = torch.as_tensor(s.input_ids).long().view(-1)
@@ -177,7 +200,8 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         grid = (torch.zeros(0, 3, dtype=torch.long) if s.image_grid_thw is None
                 else torch.as_tensor(s.image_grid_thw).long().view(-1, 3))
         pos = mrope_position_ids(ids, grid, image_token_id=image_token_id,
-                                 spatial_merge_size=spatial_merge_size, sample_index=i)
+                                 spatial_merge_size=spatial_merge_size, sample_index=i, prompt_len=s.prompt_len)
+        is_image = image_placeholders(ids, image_token_id, s.prompt_len)
         mask = (torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask).float().view(-1))
         if mask.shape[0] != n:
             raise ValueError(f"sample {i}: loss_mask has {mask.shape[0]} entries for {n} tokens")
@@ -193,7 +217,9 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
             nxt = int(pos.max()) + 1
             pos = torch.cat([pos, torch.arange(nxt, nxt + extra).expand(3, -1)], dim=1)
             mask = torch.cat([mask, torch.zeros(extra)])
+            is_image = torch.cat([is_image, torch.zeros(extra, dtype=torch.bool)])
         ids_l.append(ids)
+        image_l.append(is_image)
         pos_l.append(pos)
         mask_l.append(mask)
         grids_l.append(grid)
@@ -215,6 +241,7 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         images_per_sample=n_images,
         image_tokens_per_sample=n_image_tokens,
         image_token_index=torch.arange(sum(n_image_tokens)),
+        image_mask=torch.cat(image_l),
         token_index=torch.arange(total),
         image_token_id=image_token_id,
     )
@@ -233,7 +260,7 @@ def check_image_tokens(packed: PackedSequence) -> None:
     if packed.cp_size != 1:
         raise ValueError("check_image_tokens takes the whole packed sequence")
     offsets = packed.cu_seqlens_padded.tolist()
-    is_image = packed.input_ids == packed.image_token_id
+    is_image = packed.image_mask
     for i, want in enumerate(packed.image_tokens_per_sample):
         have = int(is_image[offsets[i]:offsets[i + 1]].sum())
         if have != want:
@@ -269,7 +296,7 @@ def split_for_cp(packed: PackedSequence, cp_size: int, cp_rank: int) -> PackedSe
         return packed
     idx = zigzag_index(packed.padded_lens, cp_size, cp_rank)
     # ordinal of each image token among all image tokens of the whole sequence
-    is_image = packed.input_ids == packed.image_token_id
+    is_image = packed.image_mask
     ordinal = torch.cumsum(is_image.long(), 0) - 1
     local_is_image = is_image[idx]
     return replace(
@@ -278,6 +305,7 @@ def split_for_cp(packed: PackedSequence, cp_size: int, cp_rank: int) -> PackedSe
         position_ids=packed.position_ids[:, idx],
         loss_mask=packed.loss_mask[idx],
         image_token_index=packed.image_token_index[ordinal[idx][local_is_image]],
+        image_mask=local_is_image,
         token_index=packed.token_index[idx],
         cp_size=cp_size,
         cp_rank=cp_rank,

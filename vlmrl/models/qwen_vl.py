@@ -105,10 +105,9 @@ class QwenVLModel(MegatronModule):
 
     def embed(self, packed: PackedSequence, pixel_values: Tensor | None, device: torch.device) -> Tensor:
         """Token embeddings [T, 1, hidden] with image features in the placeholder rows."""
-        n_here = int((packed.input_ids == packed.image_token_id).sum())  # host side: no device sync
+        n_here = int(packed.image_mask.sum())  # host side: no device sync
         input_ids = compat.to_device(packed.input_ids, device)
         emb = self.language_model.embedding(input_ids=input_ids.unsqueeze(0), position_ids=None)
-        is_image = input_ids == packed.image_token_id
         if packed.cp_size == 1:
             check_image_tokens(packed)
         if packed.num_image_tokens == 0:
@@ -127,7 +126,8 @@ class QwenVLModel(MegatronModule):
             raise ValueError(f"{n_here} image tokens here but image_token_index has "
                              f"{packed.image_token_index.numel()} rows")
         rows = feats.index_select(0, packed.image_token_index.to(device)).to(emb.dtype)
-        where = torch.nonzero(is_image).view(-1)
+        # the prompts' placeholder rows (the image token's id in a response is text), found on the host
+        where = compat.to_device(torch.nonzero(packed.image_mask).view(-1), device)
         return emb.index_put((where, torch.zeros_like(where)), rows)
 
     def forward(self, packed: PackedSequence, pixel_values: Tensor | None = None) -> Tensor:

@@ -45,6 +45,13 @@ class TrainSample:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the first trained one: the prompt, where image placeholders live. What
+        follows was generated (or is the answer) and is text to the model, as to the engines
+        that decoded it, even where it holds the image token's id."""
+        return next((i for i, m in enumerate(self.loss_mask) if m), len(self.loss_mask))
+
 
 @dataclass
 class MicroBatch:
@@ -153,7 +160,7 @@ def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, sp
     pad_to = None
     if bucket:
         pad_to = graph_bucket(sum(-(-s.num_tokens // multiple) * multiple for s in samples), multiple)
-    whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw) for s, p in zip(samples, parts)],
+    whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw, s.prompt_len) for s, p in zip(samples, parts)],
                  image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
                  pad_multiple=multiple, pad_token_id=pad_token_id, pad_to=pad_to)
     total = whole.num_tokens
