@@ -75,6 +75,16 @@ def test_versions_are_read_without_import_and_checked_against_the_contracts():
         check_sglang_version(["0.5.20"], None)
 
 
+def test_servers_start_without_sglangs_image_feature_cache(tmp_path):
+    """SGLang keeps each image's vision-tower features across weight updates (seen on the H200);
+    the tower trains, so every server vlmrl starts has the cache off, whatever else the run's
+    rollout.sglang.env says, and validation refuses turning it back on."""
+    from vlmrl.rollout.sglang import VLM_CACHE_ENV, SGLangServerActor
+
+    env = SGLangServerActor([1], log_path=str(tmp_path / "s.log"), env={"PYTHONPATH": "/opt/sg"})._env()
+    assert env[VLM_CACHE_ENV] == "0" and env["PYTHONPATH"] == "/opt/sg" and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
 def test_engine_actors_ask_for_a_share_of_their_bundle(tmp_path):
     cfg = _cfg(tmp_path)
     assert engine_gpu_request(cfg.rollout, colocate=True) == 0.2  # beside a trainer rank's 0.5

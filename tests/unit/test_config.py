@@ -159,6 +159,7 @@ INVALID = [
     ([*REFERENCE, "rollout.gpus_per_engine=3"], "engine-gpus", "gpus_per_engine=3"),
     ([*REFERENCE, "rollout.sglang.ep_size=3"], "engine-gpus", "ep_size=3"),
     ([*REFERENCE, "rollout.sglang.mem_fraction_static=1.5"], "engine-memory", "(0, 1)"),
+    ([*REFERENCE, "+rollout.sglang.env.SGLANG_VLM_CACHE_SIZE_MB=100"], "sglang-env", "SGLANG_VLM_CACHE_SIZE_MB=0"),
     ([*REFERENCE, f"model.lm.layer_types=[{NO_INTERVAL}]"], "sglang-layer-types",
      f"model.lm.layer_types=[{EVERY_4TH}] (interval 4)"),
     (["algo.n_samples_per_prompt=1"], "grpo-group", "at least 2"),

@@ -236,6 +236,13 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
                      "(l + 1) % interval == 0) and would serve other layers than the trainer's. Set "
                      f"{layer_types_override(sglang_layer_types(k, lm.num_layers))} (interval {k}), or use "
                      "rollout=embedded")
+        from ..rollout.sglang import SERVER_ENV, VLM_CACHE_ENV
+
+        cache = dict(r.sglang.env).get(VLM_CACHE_ENV, SERVER_ENV[VLM_CACHE_ENV])
+        if str(cache).strip() not in ("0", ""):
+            fail("sglang-env", f"rollout.sglang.env.{VLM_CACHE_ENV}={cache}: SGLang would reuse each image's "
+                 "vision-tower features across weight syncs (no update or flush clears them), and the vision "
+                 f"tower trains; leave it unset ({VLM_CACHE_ENV}=0)")
         from ..rollout.sglang_flags import load_flags
 
         flags = load_flags()

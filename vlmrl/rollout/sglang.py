@@ -220,13 +220,23 @@ def installed_sglang_version(python: str | None = None, env: dict[str, str] | No
     return out.stdout.strip()
 
 
+# What every SGLang server vlmrl starts runs with, beneath `rollout.sglang.env`. SGLang keeps the
+# vision tower's output per image (100 MB by default) and no weight update or cache flush clears
+# it: after a sync that changed the vision tower, an image seen before would reach the language
+# model with the old tower's features (seen on the H200: the engine-trainer logprob gap grew
+# from 0.01 to 0.06 after three steps). SGLang's own RL mode (`rl_on_policy_target`) turns it off
+# the same way.
+VLM_CACHE_ENV = "SGLANG_VLM_CACHE_SIZE_MB"
+SERVER_ENV = {VLM_CACHE_ENV: "0"}
+
+
 class SGLangServerActor:
     """Ray actor body: runs one SGLang server on its slot's GPUs.
 
     The actor sits in its engine's placement-group bundle and may hold a fraction of a GPU
     (colocation), so the GPUs the server uses are set explicitly from the engine slot through
     CUDA_VISIBLE_DEVICES. The server runs under `python` (rollout.sglang.python) with `env`
-    (rollout.sglang.env) added to the actor's environment."""
+    (rollout.sglang.env) added to the actor's environment and to `SERVER_ENV`."""
 
     def __init__(self, devices: Sequence[int], *, log_path: str, python: str | None = None,
                  env: dict[str, str] | None = None) -> None:
@@ -239,7 +249,8 @@ class SGLangServerActor:
         self.process: ManagedProcess | None = None
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, **self.extra_env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
+        return {**os.environ, **SERVER_ENV, **self.extra_env,
+                "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
 
     def node_ip(self) -> str:
         import ray
