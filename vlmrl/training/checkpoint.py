@@ -31,14 +31,24 @@ LATEST = "latest"
 LOOP_STATE = "loop.json"
 
 
+# The distributed optimizer's (NCCL) state in the checkpoint: one tensor per parameter and
+# moment, as a plain optimizer holds it, gathered on each data-parallel group's first rank at
+# save and re-cut at load, so that a checkpoint loads under another TP/PP/DP layout.
+# megatron-core's default for it, 'fully_sharded_model_space', cannot be saved in 0.16
+# ("ShardedTensor.flattened_range is not supported").
+DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
+
+
 def _sharded_state_dict(trainer: Any, *, is_loading: bool = False) -> dict[str, Any]:
     """Model chunks + optimizer. `is_loading` makes the optimizer create its (Adam) state
     first, so that the loaded moments have somewhere to go (a fresh optimizer has none)."""
     model_sd: dict[str, Any] = {}
     for i, chunk in enumerate(trainer.chunks):
         model_sd[f"model{i}" if len(trainer.chunks) > 1 else "model"] = chunk.sharded_state_dict()
+    metadata = ({"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING}
+                if trainer.distributed_optimizer else None)
     optim_sd = trainer.optimizer.sharded_state_dict(model_sd if len(trainer.chunks) > 1 else model_sd["model"],
-                                                    is_loading=is_loading)
+                                                    is_loading=is_loading, metadata=metadata)
     return {**model_sd, "optimizer": optim_sd}
 
 

@@ -284,12 +284,15 @@ class MegatronTrainer:
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self._distributed_optimizer(), check_for_nan_in_grad=False)
+            use_distributed_optimizer=self.distributed_optimizer, check_for_nan_in_grad=False)
         return [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
                                         disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
 
-    def _distributed_optimizer(self) -> bool:
-        # gloo has no reduce-scatter: the sharded optimizer needs NCCL.
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the optimizer state is sharded over data parallelism (Megatron's
+        DistributedOptimizer). gloo has no reduce-scatter and the optimizer takes CUDA
+        parameters only: NCCL runs only."""
         return self.cfg.trainer.use_distributed_optimizer and self.cfg.hardware.dist_backend == "nccl"
 
     def _optimizer(self) -> Any:
@@ -300,7 +303,7 @@ class MegatronTrainer:
             optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=self._distributed_optimizer())
+            use_distributed_optimizer=self.distributed_optimizer)
         optimizer = get_megatron_optimizer(config, self.model, use_gloo_process_groups=False)
         from ..models import compat
 
