@@ -968,7 +968,7 @@ def test_unflatten_reads_a_layout_it_did_not_write():
     for name, t, _ in spans:
         assert back[name].shape == t.shape and torch.equal(back[name], t)
     meta[1].end_idx -= 4
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match=r"metadata entry 1 \('b'\): bytes \[16, 24\) do not hold shape \[3\]"):
         unflatten_bucket({"flattened_tensor": flat, "metadata": meta})
 
 
@@ -1040,8 +1040,9 @@ def test_flattened_payload_names_only_globals_sglang_unpickles(monkeypatch):
     """The pickle of a flattened bucket (host tensors here, shared through files; on a GPU the
     same structure with CUDA-IPC handles) refers to torch's rebuild functions, torch.Size,
     dtypes and types.SimpleNamespace only: globals SGLang's SafeUnpickler admits (checked
-    against the wheel's allowlist when VLMRL_SGLANG_WHEEL is set) and that vlmrl's own
-    restricted unpickler reads back into the same tensors."""
+    against the wheel's allowlist when VLMRL_SGLANG_WHEEL is set), read back into the same
+    tensors. vlmrl's own reader (`load_ipc`) admits the CUDA rebuild only: host storages
+    shared by file name are refused (the CUDA form's globals: test_engine_security.py)."""
     import io
     import pickle
     import zipfile
@@ -1063,8 +1064,10 @@ def test_flattened_payload_names_only_globals_sglang_unpickles(monkeypatch):
                 return super().find_class(module, name)
 
         Recorder(io.BytesIO(data)).load()
-        # a shared host storage is opened once: a second payload for vlmrl's reader
-        back = dict(unflatten_bucket(load_ipc(serialize_ipc(flatten_bucket(_bucket())))))
+        # a shared host storage is opened once: a second payload, read by torch's unpickler
+        back = dict(unflatten_bucket(pickle.loads(serialize_ipc(flatten_bucket(_bucket())))))
+        with pytest.raises(pickle.UnpicklingError, match="may not refer to torch.multiprocessing.reductions"):
+            load_ipc(data)
     finally:
         tmp.set_sharing_strategy(old)
     for name, t in _bucket():

@@ -34,12 +34,28 @@ def encode_torch_payload(named_tensors: list[tuple[str, Any]]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _b64(entry: str | bytes) -> bytes:
+    """The bytes of a base64 payload entry; ValueError saying it is not base64."""
+    import binascii
+
+    if not isinstance(entry, str):
+        return bytes(entry)
+    try:
+        return base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"a serialized_named_tensors entry is not base64 ({len(entry)} characters): {e}") from None
+
+
 def decode_torch_payload(entry: str | bytes) -> list[tuple[str, Any]]:
     import torch
 
-    data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
-    obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    return [(str(n), t) for n, t in obj]
+    data = _b64(entry)
+    try:
+        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 (torch raises several kinds for a broken archive)
+        raise ValueError(f"a serialized_named_tensors entry is not a torch.save archive of (name, tensor) pairs "
+                         f"({len(data)} bytes): {type(e).__name__}: {str(e)[:200]}") from None
+    return [(str(n), t) for n, t in check_named_tensors(obj)]
 
 
 def decode_payload(entry: str | bytes, flattened: bool = False) -> list[tuple[str, Any]]:
@@ -49,7 +65,7 @@ def decode_payload(entry: str | bytes, flattened: bool = False) -> list[tuple[st
     (`load_format="flattened_bucket"`, as SGLang reads it) a `flatten_bucket` dict."""
     import torch
 
-    data = base64.b64decode(entry) if isinstance(entry, str) else bytes(entry)
+    data = _b64(entry)
     if data[:2] == b"PK":  # torch.save's zip archive
         if flattened:
             raise ValueError("load_format 'flattened_bucket' needs a CUDA-IPC payload, not torch.save bytes")
@@ -163,8 +179,10 @@ def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, Any]]:
-    """Inverse of `flatten_bucket`: views into the flat tensor, no copies."""
+    """Inverse of `flatten_bucket`: views into the flat tensor, no copies (the layout is
+    checked first: `check_flat_layout`)."""
     meta = bucket["metadata"]
+    check_flat_layout(bucket["flattened_tensor"], meta)
     return [(str(m.name), t) for m, t in zip(meta, _flat_views(bucket["flattened_tensor"], meta))]
 
 
@@ -224,36 +242,148 @@ def serialize_ipc(named_tensors: Sequence[tuple[str, Any]] | dict[str, Any]) -> 
     return buf.getvalue()
 
 
-def load_ipc(data: bytes) -> list[tuple[str, Any]]:
-    """Inverse of `serialize_ipc` in another process (what SGLang's server does): device
-    UUIDs are mapped back to this process's CUDA device indices. For tests and tools."""
+# The globals a CUDA-IPC weight payload names (torch's reductions of CUDA tensors, and a
+# flattened bucket's metadata), each by its exact module and name; torch's dtypes are admitted
+# as the dtype objects they are. Nothing else is looked up, so nothing else can be called:
+# SGLang's own unpickler admits whole module prefixes (`torch.`, `builtins.`), under which
+# `torch.save`, `torch.load`, `torch.hub.load` or `torch.utils.cpp_extension.load_inline`
+# would run code or touch files.
+IPC_GLOBALS = frozenset({
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # (`_REBUILD`)
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+    ("types", "SimpleNamespace"),
+})
+
+
+_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+
+
+def _dtype_names() -> frozenset[str]:
+    """The names under which torch exposes its dtypes (read from what torch has loaded: an
+    unknown name is never looked up, which could import one of torch's lazy submodules)."""
+    import torch
+
+    return frozenset(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))
+
+
+def ipc_global(module: str, name: str) -> Any:
+    """The object a weight payload's global (module, name) stands for, if it is one that
+    `IPC_GLOBALS` admits or a torch dtype; else pickle.UnpicklingError naming it, before
+    anything is imported or called."""
     import pickle
 
     import torch
-    from torch.multiprocessing import reductions
+
+    if module == "torch" and name in _dtype_names():
+        return getattr(torch, name)
+    if (module, name) not in IPC_GLOBALS:
+        raise pickle.UnpicklingError(f"a weight payload may not refer to {module}.{name} (it admits only "
+                                     "torch's CUDA tensor rebuild, tensor, size, storage and dtype objects, "
+                                     "and SimpleNamespace for a flattened bucket's metadata)")
+    if module == "types":
+        import types
+
+        return types.SimpleNamespace
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def load_ipc(data: bytes) -> Any:
+    """Inverse of `serialize_ipc` in another process (what SGLang's server does): device
+    UUIDs are mapped back to this process's CUDA device indices. Only the exact globals of
+    `IPC_GLOBALS` (and torch dtypes) are admitted; the result is checked to be (name, tensor)
+    pairs or a flattened bucket (`check_ipc_payload`)."""
+    import pickle
+
+    import torch
 
     by_uuid = {_device_uuid(i): i for i in range(torch.cuda.device_count())}
-    original = reductions.rebuild_cuda_tensor
 
     def rebuild(*args: Any) -> Any:
+        from torch.multiprocessing import reductions
+
         args = list(args)
+        if len(args) < 7:
+            raise pickle.UnpicklingError(f"rebuild_cuda_tensor takes 15 arguments, the payload gave {len(args)}")
         if isinstance(args[6], str):
+            if args[6] not in by_uuid:
+                raise pickle.UnpicklingError(f"the payload's tensor lives on GPU {args[6]}, not one of this "
+                                             f"process's ({sorted(by_uuid)})")
             args[6] = by_uuid[args[6]]
-        return original(*args)
+        return reductions.rebuild_cuda_tensor(*args)
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
-            if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
-                return rebuild
-            if (module, name) == ("types", "SimpleNamespace"):  # a flattened bucket's metadata
-                return super().find_class(module, name)
-            # a weight payload names torch's rebuild functions, storage classes and dtypes
-            # (and SimpleNamespace), nothing else: any other global is refused, never called
-            if module != "torch" and not module.startswith("torch."):
-                raise pickle.UnpicklingError(f"a weight payload may only refer to torch objects, not {module}.{name}")
-            return super().find_class(module, name)
+            found = ipc_global(module, name)  # refuses any other global before it is looked up
+            return rebuild if (module, name) == _REBUILD else found
 
-    return _Unpickler(io.BytesIO(data)).load()
+    return check_ipc_payload(_Unpickler(io.BytesIO(data)).load())
+
+
+def check_ipc_payload(obj: Any) -> Any:
+    """`obj` if it is what a weight payload holds: a list of (str, tensor) pairs, or a
+    flattened bucket ({"flattened_tensor": uint8 tensor, "metadata": [SimpleNamespace]},
+    checked by `check_flat_layout`); else ValueError saying what it is instead."""
+    if isinstance(obj, dict):
+        if set(obj) != {"flattened_tensor", "metadata"}:
+            raise ValueError(f"a flattened bucket has the keys flattened_tensor and metadata, not {sorted(obj)}")
+        check_flat_layout(obj["flattened_tensor"], obj["metadata"])
+        return obj
+    return check_named_tensors(obj)
+
+
+def check_named_tensors(obj: Any) -> Any:
+    """`obj` if it is a list of (str, tensor) pairs; else ValueError naming the first entry
+    that is not."""
+    import torch
+
+    if not isinstance(obj, (list, tuple)):
+        raise ValueError(f"a weight payload is a list of (name, tensor) pairs or a flattened bucket, not "
+                         f"{type(obj).__name__}")
+    for i, pair in enumerate(obj):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)):
+            raise ValueError(f"entry {i} of the weight payload is not a (name, tensor) pair")
+    return obj
+
+
+def check_flat_layout(flat: Any, layout: Any) -> None:
+    """ValueError naming the first entry of a flattened bucket's `layout` that does not
+    describe bytes of `flat` (a 1-D uint8 tensor): a name that is not a string, a dtype that
+    is not a torch dtype, a shape of negative or non-integer sizes, a byte range outside the
+    buffer, of another size than its shape and dtype give, or not aligned to its element size."""
+    import math
+
+    import torch
+
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError("a flattened bucket's flattened_tensor must be a 1-D uint8 tensor, not "
+                         + (f"{flat.dtype} of shape {tuple(flat.shape)}" if isinstance(flat, torch.Tensor)
+                            else type(flat).__name__))
+    if not isinstance(layout, (list, tuple)):
+        raise ValueError(f"a flattened bucket's metadata must be a list, not {type(layout).__name__}")
+    size = flat.numel()
+    for i, m in enumerate(layout):
+        name = getattr(m, "name", None)
+        where = f"metadata entry {i} ({name!r})"
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: its name must be a string")
+        dtype, shape = getattr(m, "dtype", None), getattr(m, "shape", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{where}: dtype {dtype!r} is not a torch dtype")
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{where}: shape {shape!r} is not a list of sizes")
+        start, end = getattr(m, "start_idx", None), getattr(m, "end_idx", None)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size):
+            raise ValueError(f"{where}: bytes [{start}, {end}) run outside the {size}-byte buffer")
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{where}: bytes [{start}, {end}) do not hold shape {list(shape)} of {dtype}")
+        if start % dtype.itemsize:
+            raise ValueError(f"{where}: offset {start} is not a multiple of {dtype}'s {dtype.itemsize} bytes")
 
 
 def dtype_name(dtype: Any) -> str:
