@@ -168,6 +168,7 @@ class Loop:
         self.engine_version: str | None = None  # the weight_version last synced to the engines
         self._trained_since_sync = False
         self.engine_restarts = 0
+        self.engine_key: str | None = None  # the run's engine key (HTTP engines; vlmrl.rollout.auth)
         self.model_path: str | None = None
         # colocated: who holds the GPUs' memory in each phase (None when nothing is shared)
         self.colo: Any = None
@@ -214,16 +215,22 @@ class Loop:
         from .rollout.manager import RolloutManager
 
         cfg = self.cfg
+        if cfg.rollout.name == "sglang" or cfg.rollout.embedded.serve_http:
+            from .rollout.auth import run_key
+
+            # the run's engine key: every engine refuses callers without it (kept out of the config)
+            self.engine_key = run_key(self.run_dir)
         if cfg.rollout.name == "sglang":
             import asyncio
 
-            from .config.layout import compute_layout
+            from .config.layout import compute_layout, engine_bind_host
             from .rollout.sglang import launch_sglang_engines
 
             self.sglang = asyncio.run(launch_sglang_engines(
                 cfg.rollout, cfg.hardware, cfg.model, compute_layout(cfg).engines(cfg), run_dir=self.run_dir,
                 placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
-                cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data))
+                cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data,
+                host=engine_bind_host(cfg), api_key=self.engine_key))
             print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
                   f"{', '.join(e.base_url for e in self.sglang.engines)}")
             engines = self.sglang.generation  # the router when there is one
@@ -267,10 +274,11 @@ class Loop:
 
         from .rollout.client import HTTPEngine
 
-        url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port))
+        url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port,
+                                              self.engine_key))
         return url, HTTPEngine(url, name=f"embedded-{i}", max_concurrency=cfg.rollout.max_in_flight,
                                timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
-                               drain_timeout_s=cfg.rollout.sglang.drain_timeout_s)
+                               drain_timeout_s=cfg.rollout.sglang.drain_timeout_s, api_key=self.engine_key)
 
     async def _restart_engine(self, i: int) -> None:
         import asyncio
@@ -319,7 +327,8 @@ class Loop:
             # keep theirs: with several colocated engines the onload needs room beside them)
             self._engines_call("release_memory_occupation", ["kv_cache", "cuda_graph"], only=i)
             self.trainer.onload()
-        self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=http)
+        self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=http,
+                                  api_key=self.engine_key)
         if offloaded:
             self.trainer.offload()
             self._engines_call("resume_memory_occupation", ["cuda_graph", "kv_cache"], only=i)
@@ -443,7 +452,7 @@ class Loop:
         t0 = time.perf_counter()
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
         self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket,
-                                                             weight_version=version) or 0)
+                                                             weight_version=version, api_key=self.engine_key) or 0)
         self.engine_version = version  # every sample generated from now on should report it
         self._trained_since_sync = False
         if self.colo is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .cli import hydra_entry
 from .config import ConfigError, VlmrlConfig, compute_layout, config_notes, to_dataclass, validate
+from .config.layout import LOOPBACK, engine_bind_host
 from .config.memory import (
     GIB,
     count_params,
@@ -23,6 +24,7 @@ from .config.memory import (
     sequence_length,
     trainer_offload,
 )
+from .rollout.auth import KEY_FILE
 
 
 def _b(n: float) -> str:
@@ -31,6 +33,18 @@ def _b(n: float) -> str:
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
+
+
+def engine_exposure(cfg: VlmrlConfig) -> str:
+    """Where the engines listen and who may call them (one line of the plan)."""
+    r = cfg.rollout
+    if r.name == "embedded" and not r.embedded.serve_http:
+        return "engine endpoints: none (the run calls its engine through Ray)"
+    host = engine_bind_host(cfg) if r.name == "sglang" else r.embedded.host
+    where = ("127.0.0.1 (this machine only)" if host == LOOPBACK else
+             "each engine node's address (other nodes reach them)" if host == "auto" else host)
+    return (f"engine endpoints: HTTP on {where}; every call but /health needs the run's engine key "
+            f"(drawn at start, kept in the run directory's {KEY_FILE}, mode 600)")
 
 
 def render_plan(cfg: VlmrlConfig) -> str:
@@ -82,6 +96,7 @@ def render_plan(cfg: VlmrlConfig) -> str:
             console.print(f"  engine {e.index}: node {e.node}, GPUs {list(e.devices)}")
     else:
         console.print(f"[bold]rollout[/] {r.name}: 1 engine in a Ray actor on the CPU")
+    console.print("  " + engine_exposure(cfg))
     n = cfg.algo.n_samples_per_prompt
     console.print(f"[bold]step[/] {r.batch_size} prompts x {n} samples = {r.batch_size * n} samples, "
                   f"global batch {cfg.trainer.global_batch_size} -> "

@@ -88,6 +88,7 @@ def rig(tmp_path_factory, cache_dir):
     from vlmrl.data.prompts import PromptDataset
     from vlmrl.loop import model_path
     from vlmrl.models.processor import load_processor
+    from vlmrl.rollout.auth import new_key
     from vlmrl.rollout.sglang import launch_sglang_engines
 
     run_dir = tmp_path_factory.mktemp("sglang")
@@ -98,9 +99,10 @@ def rig(tmp_path_factory, cache_dir):
     with ray_cluster(cfg, run_dir):
         placement = create_placement(cfg, layout)
         t0 = time.perf_counter()
+        key = new_key()  # the run's engine key: SGLang's --api-key / --admin-api-key
         engines = asyncio.run(launch_sglang_engines(cfg.rollout, cfg.hardware, cfg.model, layout.engines(cfg),
                                                     run_dir=run_dir, placement=placement, model_path=path,
-                                                    colocate=True, data=cfg.data))
+                                                    colocate=True, data=cfg.data, api_key=key))
         print(f"sglang {engines.version} healthy after {time.perf_counter() - t0:.1f} s")
         worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
         worker.init(path, 4)
@@ -109,7 +111,7 @@ def rig(tmp_path_factory, cache_dir):
         prompts = list(PromptDataset(d, d.test_split, processor))[:8]
         try:
             yield {"cfg": cfg, "engines": engines, "path": path, "worker": worker, "processor": processor,
-                   "prompts": prompts, "run_dir": run_dir}
+                   "prompts": prompts, "run_dir": run_dir, "key": key}
         finally:
             asyncio.run(engines.shutdown())
 
@@ -168,7 +170,8 @@ def _gap(a, b):
 def _sync(rig, version):
     cfg = rig["cfg"]
     return rig["worker"].sync_weights([rig["engines"].engines[0].base_url],
-                                      bucket_bytes=cfg.rollout.weight_update_bucket_mb << 20, weight_version=version)
+                                      bucket_bytes=cfg.rollout.weight_update_bucket_mb << 20, weight_version=version,
+                                      api_key=rig["key"])
 
 
 def test_text_and_image_generate(rig):
@@ -192,6 +195,27 @@ def test_text_and_image_generate(rig):
     # same words, another picture (the synthetic task's prompts can tokenise alike: the same
     # question, images of one size): what the model sees differs
     assert with_image.logprobs[0] != other.logprobs[0] or with_image.output_ids != other.output_ids
+
+
+def test_callers_without_the_run_key_are_refused(rig):
+    """SGLang started with the run's key answers 401 to a caller without it (the liveness
+    probe excepted) and keeps serving the run's client, which sends it."""
+    import urllib.error
+    import urllib.request
+
+    url = rig["engines"].engines[0].base_url
+    assert url.startswith("http://127.0.0.1:")  # one machine: loopback only
+    codes = []
+    for path in ("/release_memory_occupation", "/update_weights_from_tensor", "/generate", "/flush_cache"):
+        req = urllib.request.Request(url + path, data=b"{}", headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=30)
+        except urllib.error.HTTPError as e:
+            codes.append(e.code)
+    assert codes == [401] * 4
+    assert urllib.request.urlopen(url + "/health", timeout=60).status == 200
+    out = _run(_client(rig).generate([_request(rig["prompts"][0], max_new_tokens=4)]))[0]
+    assert len(out.output_ids) == 4
 
 
 def test_weight_update_matches_the_trainer(rig):

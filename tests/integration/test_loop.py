@@ -283,9 +283,27 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, ca
     servers: generation, memory calls and the weight sync through the SGLang client, from
     two trainer ranks (DP2) over the broadcast group engines on their own devices use."""
     from vlmrl.logging.metrics import read_metrics
-    from vlmrl.loop import train
+    from vlmrl.loop import Loop, train
     from vlmrl.rollout.faults import KILL_ENGINE_ENV
 
+    refused = []
+    if serve_http:  # a caller without the run's engine key, as soon as the engines are up
+        start = Loop._start_engines
+
+        def start_and_probe(self):
+            start(self)
+            import urllib.error
+            import urllib.request
+
+            for url in self.engine_actors:
+                for path in ("/release_memory_occupation", "/update_weights_from_tensor", "/generate"):
+                    req = urllib.request.Request(url + path, data=b"{}", headers={"Content-Type": "application/json"})
+                    try:
+                        urllib.request.urlopen(req, timeout=30)
+                    except urllib.error.HTTPError as e:
+                        refused.append(e.code)
+
+        monkeypatch.setattr(Loop, "_start_engines", start_and_probe)
     marker = tmp_path / "engine-killed"
     # 8 eval requests come first; the 12th request is in step 1's rollout of 4 x 4
     monkeypatch.setenv(KILL_ENGINE_ENV, f"12:{marker}")
@@ -303,6 +321,16 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, ca
         assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
         assert r["rollout/prompt_mismatch_samples"] == 0
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
+    if serve_http:  # the engines refused the keyless caller and the run went on unaffected
+        assert refused == [401, 401, 401]
+        from vlmrl.rollout.auth import KEY_FILE
+
+        key_file = tmp_path / "run" / KEY_FILE
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+        key = key_file.read_text().strip()
+        leaks = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p != key_file
+                 and key.encode() in p.read_bytes()]
+        assert not leaks, leaks  # not in the config, the metrics, the logs or the checkpoints
 
 
 def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_dir, tiny_checkpoint):

@@ -58,8 +58,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict | list | None]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, timeout: float = 60, headers: dict | None = None) -> tuple[int, dict | list | None]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"null")
@@ -71,9 +72,9 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict | list |
             return e.code, {"text": raw.decode(errors="replace")}
 
 
-def _get(url: str, timeout: float = 60) -> tuple[int, dict | list | None]:
+def _get(url: str, timeout: float = 60, headers: dict | None = None) -> tuple[int, dict | list | None]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, None
@@ -323,12 +324,19 @@ def test_control_endpoints(engine, server):
     _run(go())
 
 
-def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, engine):
+def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, engine, tmp_path):
+    """`python -m vlmrl.rollout.serve` with a key file: callers without the key get 401 (the
+    liveness probe excepted), callers with it are served."""
     port = _free_port()
     d = tiny_config.data
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    from vlmrl.rollout.auth import KEY_FILE, bearer, run_key
+
+    key = run_key(tmp_path)
+    auth = bearer(key)
     cmd = [sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", str(port),
-           "--min-pixels", str(d.min_pixels), "--max-pixels", str(d.max_pixels), "--sglang-version", VERSIONS[0]]
+           "--min-pixels", str(d.min_pixels), "--max-pixels", str(d.max_pixels), "--sglang-version", VERSIONS[0],
+           "--api-key-file", str(tmp_path / KEY_FILE)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             cwd=str(Path(__file__).resolve().parents[2]))
     try:
@@ -342,12 +350,14 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
             if "listening on" in line:
                 break
         assert any("listening on" in x for x in lines), "".join(lines)
-        assert f"(SGLang {VERSIONS[0]} protocol)" in lines[-1]
-        assert _get(f"http://127.0.0.1:{port}/server_info")[1]["version"] == VERSIONS[0]
+        assert f"(SGLang {VERSIONS[0]} protocol)" in lines[-1] and key not in "".join(lines)
+        assert _get(f"http://127.0.0.1:{port}/server_info")[0] == 401
+        assert _get(f"http://127.0.0.1:{port}/health")[0] == 200
+        assert _get(f"http://127.0.0.1:{port}/server_info", headers=auth)[1]["version"] == VERSIONS[0]
         status, reply = _post(f"http://127.0.0.1:{port}/generate", {
             "text": _prompt(engine.processor, "How many sides?", 1), "image_data": [_image(70, 70, (90, 0, 90))],
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 3},
-            "return_logprob": True})
+            "return_logprob": True}, headers=auth)
         assert status == 200, reply
         lps = reply["meta_info"]["output_token_logprobs"]
         assert len(reply["output_ids"]) == len(lps) == reply["meta_info"]["completion_tokens"] > 0
@@ -358,6 +368,21 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_serve_module_binds_other_machines_only_with_a_key(tiny_checkpoint, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", "0",
+                           "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "VLMRL_ENGINE_KEY"},
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 2 and "give a key" in proc.stderr, proc.stderr
+    loose = tmp_path / "key"
+    loose.write_text("secret\n")
+    loose.chmod(0o644)
+    proc = subprocess.run([sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", "0",
+                           "--api-key-file", str(loose)], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 2 and "readable by others" in proc.stderr, proc.stderr
 
 
 def test_serve_module_refuses_a_release_without_contract(tiny_checkpoint):
@@ -430,13 +455,13 @@ def test_ipc_payloads_unpickle_only_torch_objects(engine, server, tmp_path):
 
     marker = tmp_path / "ran"
     evil = pickle.dumps([("model.norm.weight", _Payload(marker))])
-    with pytest.raises(pickle.UnpicklingError, match="only refer to torch objects, not posix.system"):
+    with pytest.raises(pickle.UnpicklingError, match="may not refer to posix.system"):
         load_ipc(evil)
     assert not marker.exists()
     client = HTTPEngine(server.url)
     try:
         with pytest.raises(EngineError, match="needs the engine on a GPU" if not torch.cuda.is_available()
-                           else "only refer to torch objects"):
+                           else "may not refer to posix.system"):
             _run(_in_session(client, client.update_weights_from_serialized([base64.b64encode(evil).decode()])))
     finally:
         _run(client.close())
@@ -939,3 +964,76 @@ def test_a_client_for_broadcast_only_servers_sends_no_tensor_payload(engine, ser
 
     _run(go())
     assert torch.equal(engine.model.model.language_model.norm.weight, weight)
+
+
+def test_a_keyed_server_refuses_callers_without_the_key_and_keeps_serving(engine):
+    """The run's engine key (vlmrl.rollout.auth): without it every call but /health is a 401
+    and changes nothing (weights, memory, cache); the run's own client, holding it, is
+    served; the refusals are counted."""
+    from vlmrl.rollout.auth import bearer, new_key
+    from vlmrl.rollout.weights import encode_torch_payload
+
+    key = new_key()
+    before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    with ThreadedServer(engine, api_key=key) as srv:
+        payload = encode_torch_payload([(to_checkpoint_name(k), torch.zeros_like(v)) for k, v in before.items()])
+        for path, body in [("/update_weights_from_tensor", {"serialized_named_tensors": [payload]}),
+                           ("/release_memory_occupation", {}), ("/flush_cache", {}),
+                           ("/init_weights_update_group", {"master_address": "10.0.0.1", "master_port": 1,
+                                                           "rank_offset": 1, "world_size": 2}),
+                           ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})]:
+            for headers in (None, bearer("not-the-key"), {"Authorization": key}):
+                status, reply = _post(srv.url + path, body, headers=headers)
+                assert status == 401 and reply == {"error": "Unauthorized"}, (path, status, reply)
+        assert _get(srv.url + "/health")[0] == 200
+        assert _get(srv.url + "/server_info")[0] == 401
+        assert srv.stats["unauthorized"] == 16
+        assert not engine.released_tags
+        after = engine.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+        async def served():
+            client = HTTPEngine(srv.url, api_key=key)
+            try:
+                out = await client.generate([GenerateRequest(text=_prompt(engine.processor, "Count."),
+                                                             sampling=SamplingParams(max_new_tokens=3))])
+                await client.flush_cache()
+                return out
+            finally:
+                await client.close()
+
+        assert len(_run(served())[0].output_ids) == 3
+        assert srv.stats["unauthorized"] == 16
+
+
+def test_bad_weight_payloads_are_400s_that_name_the_problem_and_change_nothing(engine, server):
+    """Truncated base64, a broken archive, a tensor name the model lacks, a shape or dtype
+    that does not fit: each is refused whole (good tensors sent beside a bad one are not
+    applied) with a message naming the problem, and the engine keeps serving."""
+    import base64
+
+    from vlmrl.rollout.weights import encode_torch_payload
+
+    before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    name, value = next((to_checkpoint_name(k), v) for k, v in before.items() if v.dim() == 2)
+    good = (name, torch.zeros_like(value))
+    archive = encode_torch_payload([good])
+    cases = {
+        "not base64": archive[:-3],
+        "not a torch.save archive": base64.b64encode(base64.b64decode(archive)[:300]).decode(),
+        "unknown parameter 'model.no_such.weight'": encode_torch_payload([good, ("model.no_such.weight",
+                                                                                 torch.zeros(2))]),
+        f"shape mismatch for {name}": encode_torch_payload([(name, torch.zeros(value.shape[0] + 1, value.shape[1]))]),
+        f"dtype mismatch for {name}": encode_torch_payload([(name, torch.zeros(value.shape, dtype=torch.int64))]),
+    }
+    for message, entry in cases.items():
+        status, reply = _post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [entry]})
+        if status == 400 and "weight-update session" in str(reply):  # releases with sessions: open one
+            _post(server.url + "/begin_weight_update", {})
+            status, reply = _post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [entry]})
+            _post(server.url + "/end_weight_update", {})
+        assert status == 400 and reply["success"] is False and message in reply["message"], (message, reply)
+    after = engine.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    status, reply = _post(server.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and len(reply["output_ids"]) == 2

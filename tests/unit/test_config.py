@@ -160,6 +160,8 @@ INVALID = [
     ([*REFERENCE, "rollout.sglang.ep_size=3"], "engine-gpus", "ep_size=3"),
     ([*REFERENCE, "rollout.sglang.mem_fraction_static=1.5"], "engine-memory", "(0, 1)"),
     ([*REFERENCE, "+rollout.sglang.env.SGLANG_VLM_CACHE_SIZE_MB=100"], "sglang-env", "SGLANG_VLM_CACHE_SIZE_MB=0"),
+    ([*REFERENCE, "+rollout.sglang.server_args.api_key=abc"], "sglang-args", "the run sets it"),
+    ([*REFERENCE, "rollout.sglang.use_router=true"], "sglang-router", "planned"),
     ([*REFERENCE, f"model.lm.layer_types=[{NO_INTERVAL}]"], "sglang-layer-types",
      f"model.lm.layer_types=[{EVERY_4TH}] (interval 4)"),
     (["algo.n_samples_per_prompt=1"], "grpo-group", "at least 2"),
@@ -339,3 +341,12 @@ def test_trainer_keeps_cuda_graphs_off_where_they_cannot_hold(capsys):
     assert "tensor parallel" in capsys.readouterr().out
     assert not cuda_graphs_in_training(load([*REFERENCE, "hardware.cuda_graphs=true"]))
     assert "activation recompute (full)" in capsys.readouterr().out
+
+
+def test_engines_bind_loopback_on_one_local_machine_only():
+    from vlmrl.config import load
+    from vlmrl.config.layout import engine_bind_host
+
+    assert engine_bind_host(load(["experiment=geo3k_qwen35"])) == "127.0.0.1"
+    assert engine_bind_host(load(["experiment=geo3k_qwen35", "cluster=external"], check_rules=False)) == "auto"
+    assert engine_bind_host(load(["experiment=geo3k_qwen35", "cluster.num_nodes=2"], check_rules=False)) == "auto"

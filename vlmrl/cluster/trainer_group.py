@@ -69,12 +69,12 @@ class TrainerWorker:
         return self.trainer.logprobs(samples)
 
     def sync_weights(self, engines: Sequence[Any], bucket_bytes: int, weight_version: str | None = None,
-                     reset_links: bool = False) -> int:
+                     reset_links: bool = False, api_key: str | None = None) -> int:
         """Gather the weights (collective) and, on global rank 0, push every bucket to every
-        engine: embedded engine actors (Ray handles) or servers speaking SGLang's protocol (URLs). Returns the
-        number of bytes sent per engine."""
+        engine: embedded engine actors (Ray handles) or servers speaking SGLang's protocol (URLs,
+        called with the run's engine key `api_key`). Returns the number of bytes sent per engine."""
         if engines and isinstance(engines[0], str):
-            return self._sync_http(list(engines), bucket_bytes, weight_version, reset=reset_links)
+            return self._sync_http(list(engines), bucket_bytes, weight_version, reset=reset_links, api_key=api_key)
         import ray
 
         sent = 0
@@ -88,7 +88,7 @@ class TrainerWorker:
         return sent
 
     def _sync_http(self, urls: list[str], bucket_bytes: int, weight_version: str | None, *,
-                   reset: bool = False) -> int:
+                   reset: bool = False, api_key: str | None = None) -> int:
         """SGLang's weight-sync protocol, to SGLang servers or to the embedded server over HTTP.
 
         Colocated: every trainer rank that shares a device with an engine rank serializes its
@@ -124,7 +124,7 @@ class TrainerWorker:
         if self.rank == 0 and getattr(self, "_http", None) is None:
             self._urls = list(urls)
             self._loop = getattr(self, "_loop", None) or asyncio.new_event_loop()
-            self._http = [HTTPEngine(u, name=f"engine-{i}", tensor_format=fmt, tp_size=tp)
+            self._http = [HTTPEngine(u, name=f"engine-{i}", tensor_format=fmt, tp_size=tp, api_key=api_key)
                           for i, u in enumerate(urls)]
             self._group = None
             if not colocate:
@@ -378,14 +378,15 @@ class TrainerGroup:
         return result
 
     def sync_weights(self, engine_actors: Sequence[Any], *, bucket_bytes: int, weight_version: str | None = None,
-                     reset_links: bool = False) -> int:
+                     reset_links: bool = False, api_key: str | None = None) -> int:
         """Push the current weights to the engines (see TrainerWorker.sync_weights);
-        `reset_links`: an engine behind one of the URLs was restarted."""
+        `reset_links`: an engine behind one of the URLs was restarted; `api_key`: the run's
+        engine key."""
         import ray
 
         with self._collective():
-            return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version, reset_links)
-                            for w in self.workers])[0]
+            return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version, reset_links,
+                                                  api_key) for w in self.workers])[0]
 
     def offload(self) -> dict[str, float]:
         """Every rank's weights, gradients and optimizer state leave its GPU (colocated

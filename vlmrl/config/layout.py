@@ -99,6 +99,19 @@ def compute_layout(cfg: VlmrlConfig) -> Layout:
     )
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def engine_bind_host(cfg: VlmrlConfig) -> str:
+    """Where the rollout engines' HTTP servers listen: the loopback address when every caller
+    (the driver, the trainer's rank 0, the engines' own actors) runs on the one machine of a
+    local cluster; else "auto", each engine node's own address, which other nodes reach
+    (callers then need the run's engine key, as they always do)."""
+    if cfg.cluster.name == "local" and cfg.cluster.num_nodes <= 1:
+        return LOOPBACK
+    return "auto"
+
+
 def rank_coords(cfg: VlmrlConfig, layout: Layout) -> list[RankCoord]:
     """Parallel coordinates of each trainer rank, in Megatron's rank order.
 

@@ -236,7 +236,17 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
                      "(l + 1) % interval == 0) and would serve other layers than the trainer's. Set "
                      f"{layer_types_override(sglang_layer_types(k, lm.num_layers))} (interval {k}), or use "
                      "rollout=embedded")
+        from ..rollout.auth import SGLANG_KEY_ARGS
         from ..rollout.sglang import SERVER_ENV, VLM_CACHE_ENV
+
+        for key in SGLANG_KEY_ARGS:
+            if key in dict(r.sglang.server_args):
+                fail("sglang-args", f"rollout.sglang.server_args.{key}: the run sets it (its engine key, drawn "
+                     "at start and kept in the run directory); leave it out")
+        if r.sglang.use_router:
+            fail("sglang-router", "rollout.sglang.use_router=true: a router in front of engines that require "
+                 "the run's engine key is planned, not supported yet; the run spreads requests over the "
+                 "engines itself (rollout.max_in_flight)")
 
         cache = dict(r.sglang.env).get(VLM_CACHE_ENV, SERVER_ENV[VLM_CACHE_ENV])
         if str(cache).strip() not in ("0", ""):

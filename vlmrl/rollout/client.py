@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from .auth import bearer
 from .protocol import (
     EngineError,
     GenerateRequest,
@@ -68,6 +69,7 @@ class HTTPEngine:
         tp_size: int = 1,
         admin_timeout_s: float = 1800.0,
         drain_timeout_s: float = 300.0,
+        api_key: str | None = None,
     ) -> None:
         if tensor_format not in ("torch_save", "ipc", None):
             raise ValueError(f"tensor_format must be 'torch_save', 'ipc' or None, not {tensor_format!r}")
@@ -82,6 +84,7 @@ class HTTPEngine:
         self.tensor_format = tensor_format
         self.tp_size = int(tp_size)
         self.drain_timeout_s = float(drain_timeout_s)
+        self._headers = bearer(api_key)  # the run's engine key, sent with every request (never logged)
         self._held: set[str] = set()  # released memory tags: no generation while any
         self._inflight = 0  # this client's /generate calls under way
         self._protocol: Any = None  # the server's SGLangProtocol, once asked
@@ -113,7 +116,7 @@ class HTTPEngine:
             self._loop = loop
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_concurrency, force_close=False),
-                timeout=aiohttp.ClientTimeout(total=None),
+                timeout=aiohttp.ClientTimeout(total=None), headers=self._headers,
             )
             self._sem = asyncio.Semaphore(self.max_concurrency)
         assert self._sem is not None

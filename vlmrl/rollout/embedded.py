@@ -499,6 +499,10 @@ class EmbeddedEngine:
                 if target.shape != value.shape:
                     raise EngineError(f"shape mismatch for {name}: engine {tuple(target.shape)}, "
                                       f"sent {tuple(value.shape)}", retryable=False, status=400)
+                if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point != target.dtype.is_floating_point \
+                        or value.is_complex() or value.dtype == torch.bool:
+                    raise EngineError(f"dtype mismatch for {name}: engine {target.dtype}, sent "
+                                      f"{getattr(value, 'dtype', type(value).__name__)}", retryable=False, status=400)
                 dst.append(target)
                 src.append(value)
             # every shape is checked before anything is copied: a bad bucket changes no weight
@@ -658,9 +662,10 @@ class EmbeddedEngineActor:
         self.engine = EmbeddedEngine(model_path, **(engine_kwargs or {}))
         self._server: Any = None
 
-    async def start_http(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start_http(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> str:
         """Serve the protocol of SGLang `sglang_version` (given at construction) for this
-        engine; host "auto": this node's address."""
+        engine; host "auto": this node's address; `api_key`: the run's engine key, required
+        of every caller but /health (`vlmrl.rollout.auth`)."""
         from .server import start_server
 
         if host == "auto":
@@ -668,7 +673,8 @@ class EmbeddedEngineActor:
 
             host = ray.util.get_node_ip_address()
         if self._server is None:
-            self._server = await start_server(self.engine, host, port, sglang_version=self.sglang_version)
+            self._server = await start_server(self.engine, host, port, sglang_version=self.sglang_version,
+                                              api_key=api_key)
         return self._server.url
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:

@@ -2,7 +2,12 @@
 
     python -m vlmrl.rollout.serve --model DIR --port N [--host 127.0.0.1]
         [--min-pixels 3136 --max-pixels 12544] [--dtype float32] [--device cpu]
-        [--max-batch-size 64] [--sglang-version 0.5.17]
+        [--max-batch-size 64] [--sglang-version 0.5.17] [--api-key-file FILE]
+
+With a key (`--api-key-file`, a file readable by its owner only, e.g. a run's `engine.key`;
+or the environment variable VLMRL_ENGINE_KEY) every call but /health needs
+`Authorization: Bearer <key>`, as SGLang's `--api-key`. Without one the server binds only a
+loopback address: a non-loopback `--host` without a key is refused.
 
 It speaks the protocol of SGLang `--sglang-version` (default: the newest release vlmrl has
 a contract for; one it has none for is refused before the model loads), prints
@@ -14,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
+
+KEY_ENV = "VLMRL_ENGINE_KEY"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +38,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--sglang-version", default=None,
                    help="the SGLang release whose protocol to speak (default: the newest with a contract)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file holding the key callers must send (default: $VLMRL_ENGINE_KEY, else none)")
     return p.parse_args(argv)
+
+
+def _key(args: argparse.Namespace) -> str | None:
+    from .auth import read_key
+
+    if args.api_key_file:
+        return read_key(args.api_key_file)
+    return os.environ.get(KEY_ENV) or None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -39,7 +68,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     engine = EmbeddedEngine(args.model, device=args.device, dtype=args.dtype, min_pixels=args.min_pixels,
                             max_pixels=args.max_pixels, max_batch_size=args.max_batch_size)
-    server = await start_server(engine, args.host, args.port, sglang_version=args.sglang_version)
+    server = await start_server(engine, args.host, args.port, sglang_version=args.sglang_version, api_key=args.key)
     print(f"vlmrl.rollout.serve: listening on {server.url} (SGLang {server.protocol.version} protocol)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -61,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         args.sglang_version = protocol(args.sglang_version).version
     except ValueError as e:  # a release vlmrl has no contract for
         print(f"--sglang-version: {e}", file=sys.stderr)
+        return 2
+    try:
+        args.key = _key(args)
+    except (OSError, ValueError) as e:
+        print(f"--api-key-file: {e}", file=sys.stderr)
+        return 2
+    if args.key is None and not _loopback(args.host):
+        print(f"--host {args.host} is reachable from other machines: give a key (--api-key-file or "
+              f"${KEY_ENV}), or bind 127.0.0.1", file=sys.stderr)
         return 2
     asyncio.run(_serve(args))
     return 0

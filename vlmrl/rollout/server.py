@@ -189,7 +189,8 @@ class _State:
     started: float = field(default_factory=time.time)
     stats: dict[str, int] = field(default_factory=lambda: {"release_refused_busy": 0,
                                                            "update_refused_no_session": 0,
-                                                           "refused_health_released": 0})
+                                                           "refused_health_released": 0,
+                                                           "unauthorized": 0})
 
 
 # application -> (the SGLangProtocol it speaks, its _State)
@@ -207,20 +208,34 @@ def _engine_load(engine: Any, state: _State) -> tuple[int, int]:
 
 
 def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: float = 16384.0,
-              sglang_version: str | None = None) -> Any:
+              sglang_version: str | None = None, api_key: str | None = None) -> Any:
     """The aiohttp application serving `engine` (an `Engine`, usually EmbeddedEngine) with the
     protocol of SGLang `sglang_version` (None: the newest vlmrl has a contract for; one it has
     none for raises UnknownSGLangVersion, a ValueError).
 
     A /generate body larger than `max_generate_mb` is refused with 413 before it is read;
-    weight-update bodies may be up to `max_weights_mb` (a bucket of base64 tensors)."""
+    weight-update bodies may be up to `max_weights_mb` (a bucket of base64 tensors).
+
+    With `api_key` (the run's engine key, `vlmrl.rollout.auth`) every request but /health*
+    and /metrics needs `Authorization: Bearer <api_key>`, as SGLang with `--api-key` and
+    `--admin-api-key` set to it: without it the answer is 401 `{"error": "Unauthorized"}`
+    before the body is read, nothing changes, and `unauthorized` counts it."""
     from aiohttp import web
 
+    from .auth import authorized
     from .sglang_contract import protocol
 
     proto = protocol(sglang_version)
-    app = web.Application(client_max_size=int(max_weights_mb * (1 << 20)))
     state = _State()
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not authorized(request.path, request.headers.get("Authorization"), api_key):
+            state.stats["unauthorized"] += 1
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    app = web.Application(client_max_size=int(max_weights_mb * (1 << 20)), middlewares=[require_key])
     _APPS[app] = (proto, state)
     known_sampling, sampling_defaults = sampling_rules(proto.version)
     vocab_size = getattr(engine, "vocab_size", None)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .auth import SGLANG_KEY_ARGS, redact
 from .manager import close_sessions
 from .sglang_flags import (
     SGLangFlags,
@@ -69,10 +70,12 @@ def server_args(
     seed: int | None = None,
     flags: SGLangFlags | None = None,
     data: Any = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """ServerArgs field -> value for one engine, from the rollout / hardware / model (and
     data: the image pixel bounds) sections; `rollout.sglang.server_args` is merged last
-    (verbatim, it wins)."""
+    (verbatim, it wins; validation keeps the key's fields out of it). `api_key`, the run's
+    engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`)."""
     flags = flags or load_flags()
     sg = rollout.sglang
     args: dict[str, Any] = {
@@ -110,6 +113,8 @@ def server_args(
         args["mm_process_config"] = {"image": {"min_pixels": int(data.min_pixels),
                                                "max_pixels": int(data.max_pixels)}}
     args.update(dict(sg.server_args))
+    if api_key:
+        args.update(dict.fromkeys(SGLANG_KEY_ARGS, api_key))
     for name, value in args.items():
         flags.check_value(name, value)
     return args
@@ -270,7 +275,7 @@ class SGLangServerActor:
         if self.args.get("host") in (None, "", "auto"):
             self.args["host"] = self.node_ip()
         cmd = server_command(self.args, flags=load_flags(self.flags_version), python=self.python)
-        log.info("starting SGLang on GPUs %s: %s", self.devices, " ".join(cmd))
+        log.info("starting SGLang on GPUs %s: %s", self.devices, " ".join(redact(cmd)))
         self.process = ManagedProcess(cmd, env=self._env(), log_path=self.log_path)
         self.process.start()
         return self.url()
@@ -281,7 +286,7 @@ class SGLangServerActor:
     async def wait_healthy(self, timeout_s: float) -> None:
         from .client import HTTPEngine
 
-        client = HTTPEngine(self.url(), max_retries=0)
+        client = HTTPEngine(self.url(), max_retries=0, api_key=self.args.get("api_key"))
         try:
             await client.wait_healthy(timeout_s, poll_s=2.0, is_alive=lambda: self.process is not None
                                       and self.process.alive())
@@ -386,13 +391,17 @@ async def launch_sglang_engines(
     seed: int | None = None,
     router_host: str = "127.0.0.1",
     data: Any = None,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
 ) -> SGLangEngines:
     """Start one `SGLangServerActor` per engine slot (Ray must be initialised) in the slot's
     bundle of `placement`, check that its interpreter runs an SGLang release vlmrl knows, start
     the servers with that release's flags, wait until every one is healthy (a server that
     dies or stays unhealthy raises with the end of its log), and put the router in front when
     `rollout.sglang.use_router`. Every wait is bounded by `rollout.sglang.startup_timeout_s`;
-    on any failure the actors are stopped before the error is raised."""
+    on any failure the actors are stopped before the error is raised. The servers bind `host`
+    ("auto": each actor's node address, for layouts where another node calls them) and, with
+    `api_key` (the run's engine key), refuse any caller without it; the clients send it."""
     import ray
 
     from .client import HTTPEngine
@@ -419,15 +428,16 @@ async def launch_sglang_engines(
         flags = load_flags(version)
         starts = []
         for slot, actor in zip(slots, actors):
-            args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host="auto",
-                               model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data)
+            args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host=host,
+                               model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data,
+                               api_key=api_key)
             starts.append(actor.start.remote(args, version))
         urls = await _within(asyncio.gather(*starts), timeout, "the SGLang servers did not start")
         # wait_healthy bounds itself and quotes the server's log when it fails
         await asyncio.gather(*(a.wait_healthy.remote(timeout) for a in actors))
         common = dict(max_concurrency=max(1, rollout.max_in_flight), timeout_s=rollout.request_timeout_s,
                       max_retries=rollout.max_retries, tensor_format="ipc" if colocate else None,
-                      tp_size=rollout.gpus_per_engine, drain_timeout_s=sg.drain_timeout_s)
+                      tp_size=rollout.gpus_per_engine, drain_timeout_s=sg.drain_timeout_s, api_key=api_key)
         out.engines = [HTTPEngine(u, name=f"sglang-{s.index}", **common) for u, s in zip(urls, slots)]
         reported = await asyncio.gather(*(e.server_version() for e in out.engines))
         if set(reported) != {version}:
