@@ -572,7 +572,7 @@ class Loop:
         metrics = rollout_metrics(records, rewards)
         last = train_metrics[-1] if train_metrics else {}
         for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl", "tis_mean",
-                    "train_rollout_logprob_abs_diff"):
+                    "mis_masked_frac", "train_rollout_logprob_abs_diff"):
             if key in last:
                 metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
         metrics.update(observed(train_metrics))

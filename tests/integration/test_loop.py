@@ -123,7 +123,8 @@ def test_async_rollout_trains_one_step_off_policy(tmp_path, cache_dir):
     the trainer (so one optimizer step per rollout stays exactly on-policy: ppo_kl 0), and
     the off-policy gap shows where it belongs: the train/rollout logprob mismatch and the
     TIS weights move off the values of the run's first step, whose rollout had no training
-    to overlap (synchronous: the default run keeps those values at every step, test_learning)."""
+    to overlap (synchronous: the default run keeps those values at every step, test_learning),
+    and masked importance sampling (algo.mis) drops tokens only then."""
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
 
@@ -131,6 +132,7 @@ def test_async_rollout_trains_one_step_off_policy(tmp_path, cache_dir):
     # full SFT batch of 32 makes large enough for the off-policy gap to show
     train(_config(tmp_path, cache_dir, ["trainer.global_batch_size=16", "save_hf=false", "num_steps=3",
                                         "algo.sft_steps=1", "algo.sft_batch_size=32", "algo.tis=true",
+                                        "algo.mis=token", "algo.mis_low=0.999", "algo.mis_high=1.001",
                                         "cluster.async_rollout=true"]))
     rows = [r for r in read_metrics(tmp_path) if "rl_step" in r]
     assert [r["rl_step"] for r in rows] == [1, 2, 3]
@@ -142,6 +144,9 @@ def test_async_rollout_trains_one_step_off_policy(tmp_path, cache_dir):
     # one step off-policy: the rollout's weights are one update behind the trainer's
     assert min(diff[1:]) > 1e-3, diff
     assert min(tis[1:]) > 1e-3, tis
+    # MIS with a band of +-0.1%: nothing masked on-policy, the farthest tokens masked off-policy
+    mis = [r["train/mis_masked_frac"] for r in rows]
+    assert mis[0] == 0.0 and min(mis[1:]) > 0.0 and max(mis) < 1.0, mis
     # the engines report the weight version of each sample: staleness is tracked
     samples = 4 * 4  # rollout.batch_size x n_samples_per_prompt
     assert [r["rollout/stale_samples"] for r in rows] == [0, samples, samples]

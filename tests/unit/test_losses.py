@@ -16,6 +16,7 @@ from vlmrl.algo.losses import (
     gspo_loss,
     kl_penalty,
     loss_normaliser,
+    mis_keep,
     policy_loss,
     ppo_clip_loss,
     seq_ids_from_cu_seqlens,
@@ -311,6 +312,52 @@ def test_tis_weights_capped_and_detached() -> None:
     close(w, [1.0, math.exp(0.5), 2.0, math.exp(-0.5)])
     assert float(w.max()) <= 2.0
     assert float(tis_weights(torch.tensor([0.0]), torch.tensor([-500.0]), 2.0)) == 2.0
+
+
+def test_mis_keeps_tokens_or_sequences_inside_the_band() -> None:
+    # ratios exp(old - rollout): seq 0 tokens 1, 3, 1/3 (geo mean 1); seq 1 tokens 1.5, 1.5 (geo 1.5);
+    # seq 2 tokens 4, 4 (geo 4); the last token is a masked prompt token with a wild ratio
+    old = torch.zeros(8, requires_grad=True)
+    rollout = -torch.tensor([0.0, math.log(3), -math.log(3), math.log(1.5), math.log(1.5), math.log(4),
+                             math.log(4), 50.0])
+    mask = torch.tensor([1.0] * 7 + [0.0])
+    c = cu(3, 2, 3)
+    tok = mis_keep(old, rollout, mask, c, "token", 0.5, 2.0)
+    assert not tok.requires_grad
+    assert tok[:7].tolist() == [1, 0, 0, 1, 1, 0, 0]
+    seq = mis_keep(old, rollout, mask, c, "sequence", 0.5, 2.0)
+    assert seq[:7].tolist() == [1, 1, 1, 1, 1, 0, 0]  # seq 0's geometric mean is 1: kept whole
+    assert mis_keep(old, rollout, mask, c, "none", 0.5, 2.0).tolist() == [1.0] * 8
+    for bad in [("token", 1.0, 2.0), ("token", 0.5, 1.0), ("tokens", 0.5, 2.0)]:
+        with pytest.raises(ValueError):
+            mis_keep(old, rollout, mask, c, *bad)
+
+
+def test_mis_masks_the_loss_and_composes_with_tis() -> None:
+    b = _batch(8, [4, 6, 3])
+    c = cu(4, 6, 3)
+    logp = token_logprobs_from_logits(b["logits"], b["targets"]).requires_grad_()
+    old = b["old"](logp)
+    rollout = b["rollout"].clone()
+    rollout[2] = old[2].detach() - 3.0  # one token far off-policy: ratio e^3
+    for level in ("token", "sequence"):
+        cfg = replace(CFG, tis=True, tis_cap=2.0, mis=level, mis_low=0.5, mis_high=2.0)
+        loss, m = policy_loss(cfg, logp, old, b["adv"], b["mask"], c, rollout_logp=rollout)
+        keep = mis_keep(old, rollout, b["mask"], c, level, 0.5, 2.0)
+        w = tis_weights(old, rollout, 2.0) * keep
+        close(loss, ppo_clip_loss(logp, old, b["adv"], b["mask"], c, 0.2, 0.28, token_weights=w)[0])
+        sel = b["mask"] == 1
+        close(m["mis_masked_frac"], (1 - keep)[sel].mean())
+        assert float(m["mis_masked_frac"]) > 0
+        if level == "token":
+            assert keep[2] == 0
+        else:  # one decision per sequence
+            assert all(len(set(keep[a:e].tolist())) == 1 for a, e in zip(c[:-1].tolist(), c[1:].tolist()))
+        grad = torch.autograd.grad(loss, logp, retain_graph=True)[0]
+        dropped = (keep == 0) & (b["mask"] == 1)
+        assert dropped.any() and bool((grad[dropped] == 0).all())  # masked-out tokens give no gradient
+    with pytest.raises(ValueError, match="mis needs rollout_logp"):
+        policy_loss(replace(CFG, mis="token"), logp, old, b["adv"], b["mask"], c)
 
 
 # --------------------------------------------------------------------------- policy_loss, sft

@@ -30,8 +30,8 @@ instead divides by the summed ``num_tokens`` itself, so ``normaliser=1`` with ``
 
 Metrics are detached 0-d tensors (no device sync). ``loss``, ``pg_loss``, ``kl`` and
 ``entropy`` use the loss's normaliser, so they add up over micro-batches like the loss;
-``pg_clipfrac``, ``ppo_kl``, ``tis_mean`` and ``train_rollout_logprob_abs_diff`` are means
-over the micro-batch's masked tokens.
+``pg_clipfrac``, ``ppo_kl``, ``tis_mean``, ``mis_masked_frac`` and
+``train_rollout_logprob_abs_diff`` are means over the micro-batch's masked tokens.
 """
 
 from __future__ import annotations
@@ -332,6 +332,37 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     return torch.exp((old_logp.detach() - rollout_logp.detach()).clamp(max=math.log(cap))).clamp(max=cap)
 
 
+MIS_LEVELS = ("none", "token", "sequence")
+
+
+def mis_keep(old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, level: str,
+             low: float, high: float) -> Tensor:
+    """Masked importance sampling: ``[T]`` float, 1 for the tokens the loss keeps, 0 for those
+    masked out because the trainer's and the engine's distributions disagree too much.
+
+    The ratio ``rho = exp(old_logp - rollout_logp)`` (trainer over engine) must lie in
+    ``[low, high]``: per token (``level="token"``: only the tokens outside the band are
+    dropped), or as each sequence's geometric mean over its masked tokens
+    (``level="sequence"``: a sequence outside the band is dropped whole). Detached; the
+    loss keeps its normaliser, so a masked token counts as one that contributed nothing.
+    """
+    if level not in MIS_LEVELS:
+        raise ValueError(f"unknown MIS level {level!r}; valid: {', '.join(MIS_LEVELS)}")
+    if not 0 < low < 1 < high:
+        raise ValueError(f"MIS needs 0 < low < 1 < high, got low={low}, high={high}")
+    valid, weight = _mask(loss_mask, old_logp)
+    log_rho = torch.where(valid, (old_logp - rollout_logp).detach().float(), 0.0)
+    if level == "none":
+        return torch.ones_like(log_rho)
+    if level == "sequence":
+        cu = torch.as_tensor(cu_seqlens)
+        w = weight.float()
+        seq_mean = _segment_sum(log_rho * w, cu) / _segment_sum(w, cu).clamp_min(1e-30)
+        log_rho = seq_mean[seq_ids_from_cu_seqlens(cu.to(log_rho.device), log_rho.shape[0])]
+    keep = (log_rho >= math.log(low)) & (log_rho <= math.log(high))
+    return keep.to(old_logp.dtype)
+
+
 def token_logprobs_from_logits(logits: Tensor, target_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """``log_softmax(logits.float() / temperature)`` at ``target_ids``: ``[..., V]`` -> ``[...]``.
 
@@ -367,10 +398,13 @@ def policy_loss(
     ``loss = agg(pg * w) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``, every term
     aggregated with ``cfg.loss_agg_mode`` and the same ``normaliser``. ``pg`` is PPO's
     clipped surrogate or GSPO's (``cfg.policy_loss``), ``w`` the TIS weights when
-    ``cfg.tis``. ``entropy`` is per token (`entropy_from_logits`).
+    ``cfg.tis`` times the MIS mask when ``cfg.mis`` is ``token`` or ``sequence``
+    (`mis_keep`, band ``[cfg.mis_low, cfg.mis_high]``). ``entropy`` is per token
+    (`entropy_from_logits`).
 
     Metrics: ``loss``, ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, and when computed ``kl``
-    (``ref_logp`` given), ``entropy`` (``entropy`` given), ``tis_mean`` (``cfg.tis``) and
+    (``ref_logp`` given), ``entropy`` (``entropy`` given), ``tis_mean`` (``cfg.tis``),
+    ``mis_masked_frac`` (``cfg.mis``: the share of loss tokens masked out) and
     ``train_rollout_logprob_abs_diff`` (``rollout_logp`` given).
 
     Raises:
@@ -383,8 +417,9 @@ def policy_loss(
         raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp")
-    if cfg.tis and rollout_logp is None:
-        raise ValueError("tis needs rollout_logp")
+    mis = getattr(cfg, "mis", "none")
+    if (cfg.tis or mis != "none") and rollout_logp is None:
+        raise ValueError(f"{'tis' if cfg.tis else 'mis'} needs rollout_logp")
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy")
     valid, _ = _mask(loss_mask, logp)
@@ -403,6 +438,10 @@ def policy_loss(
         if cfg.tis:
             weights = tis_weights(old_logp, rollout_logp, cfg.tis_cap)
             metrics["tis_mean"] = _masked_mean(weights, loss_mask)
+        if mis != "none":
+            keep = mis_keep(old_logp, rollout_logp, loss_mask, cu_seqlens, mis, cfg.mis_low, cfg.mis_high)
+            metrics["mis_masked_frac"] = _masked_mean(1.0 - keep, loss_mask)
+            weights = keep if weights is None else weights * keep
     pg_fn = ppo_clip_loss if cfg.policy_loss == "ppo" else gspo_loss
     loss, pg_metrics = pg_fn(logp, old_logp, advantages, loss_mask, cu_seqlens, cfg.eps_clip,
                              cfg.eps_clip_high, cfg.loss_agg_mode, token_weights=weights,

@@ -260,6 +260,12 @@ class AlgoConfig(Sealable):
     # Truncated importance sampling against the rollout engine's logprobs.
     tis: bool = False
     tis_cap: float = 2.0
+    # Masked importance sampling: tokens (token) or whole sequences (sequence, by the geometric
+    # mean) whose trainer/engine ratio exp(old - rollout) leaves [mis_low, mis_high] are masked
+    # out of the loss; none: off. Composes with TIS.
+    mis: str = "none"
+    mis_low: float = 0.5
+    mis_high: float = 2.0
     # SFT warm-up steps run before RL (algo=grpo) or the SFT step count (algo=sft).
     sft_steps: int = 0
     sft_batch_size: int = 32

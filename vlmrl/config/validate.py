@@ -41,6 +41,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "algo.policy_loss": ("ppo", "gspo"),
     "algo.loss_agg_mode": ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "token_sum_norm"),
     "algo.kl_type": ("k1", "k2", "k3", "low_var_kl"),
+    "algo.mis": ("none", "token", "sequence"),
     "trainer.optim.optimizer": ("adam",),
     "trainer.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "parallel.recompute_granularity": (None, "selective", "full"),
@@ -337,6 +338,12 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if p.cp > 1 and (a.loss_agg_mode != "token_mean" or a.policy_loss != "ppo"):
         fail("cp-loss", f"context parallel (parallel.cp={p.cp}) splits sequences over ranks: it supports "
              f"algo.policy_loss=ppo with algo.loss_agg_mode=token_mean (got {a.policy_loss}, {a.loss_agg_mode})")
+    if a.mis != "none" and not 0 < a.mis_low < 1 < a.mis_high:
+        fail("mis-band", f"algo.mis={a.mis} keeps ratios in [algo.mis_low, algo.mis_high]: need 0 < mis_low < 1 "
+             f"< mis_high (got {a.mis_low}, {a.mis_high})")
+    if p.cp > 1 and a.mis == "sequence":
+        fail("cp-loss", f"context parallel (parallel.cp={p.cp}) splits sequences over ranks: algo.mis=sequence "
+             "needs each sequence whole (use algo.mis=token)")
     if a.eps_clip <= 0 or a.eps_clip_high < a.eps_clip:
         fail("clip-range", f"need 0 < algo.eps_clip ({a.eps_clip}) <= algo.eps_clip_high ({a.eps_clip_high})")
     if cfg.data.min_pixels > cfg.data.max_pixels:

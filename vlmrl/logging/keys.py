@@ -39,6 +39,8 @@ train (averaged over the step's optimizer updates)
                                 numerics, plus one update of staleness in async mode
   train/tis_mean                mean truncated importance weight min(exp(old - rollout), cap)
                                 (algo.tis)
+  train/mis_masked_frac         share of loss tokens masked out because exp(old - rollout), per
+                                token or per sequence, left [mis_low, mis_high] (algo.mis)
 perf (seconds unless stated)
   perf/rollout_time             generation and reward scoring
   perf/train_time               logprob recomputation and optimizer steps
@@ -77,6 +79,7 @@ TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_PPO_KL = "train/ppo_kl"
 TRAIN_ROLLOUT_LOGPROB_ABS_DIFF = "train/train_rollout_logprob_abs_diff"
 TRAIN_TIS_MEAN = "train/tis_mean"
+TRAIN_MIS_MASKED_FRAC = "train/mis_masked_frac"
 
 PERF_ROLLOUT_TIME = "perf/rollout_time"
 PERF_TRAIN_TIME = "perf/train_time"

@@ -36,7 +36,7 @@ from .logprobs import logprobs_and_entropy
 # Metrics that are sums over tokens / sequences (normalised by the global normaliser) and
 # metrics that are means over masked tokens (weighted by the micro-batch's token count).
 _SUMMED = ("loss", "pg_loss", "kl", "entropy")
-_MEANS = ("pg_clipfrac", "ppo_kl", "tis_mean", "train_rollout_logprob_abs_diff")
+_MEANS = ("pg_clipfrac", "ppo_kl", "tis_mean", "mis_masked_frac", "train_rollout_logprob_abs_diff")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
