@@ -1,8 +1,8 @@
 """Parity of the Megatron model with HF transformers and across parallel layouts.
 
 One check = one HF model of the configured architecture (random weights, or a local
-checkpoint's), one packed batch of samples with images of different grids plus a text-only
-sample, and one forward + backward pass of a simple loss (mean next-token cross entropy
+checkpoint's), one packed batch of samples with images of different grids, one sample with
+two images, and a text-only sample, and one forward + backward pass of a simple loss (mean next-token cross entropy
 over the loss-masked tokens):
 
 - HF reference: the family's `*ForConditionalGeneration`, one sample at a time, fp32
@@ -75,8 +75,11 @@ class RunResult:
 
 
 def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (1, 6, 4)),
-               text_only: int = 1) -> ParityBatch:
-    """Samples with one image each (grids given) plus `text_only` samples without images."""
+               text_only: int = 1,
+               multi_image: tuple[tuple[int, int, int], ...] = ((1, 4, 6), (1, 4, 4))) -> ParityBatch:
+    """Samples with one image each (grids given), one sample holding every image of
+    `multi_image` with text between them (M-RoPE positions resume after each image), plus
+    `text_only` samples without images."""
     import torch
 
     from .models.packing import PackSample
@@ -98,9 +101,18 @@ def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int
             + [model.vision_end_token_id] + text(6 + 2 * k)
         mask = [0.0] * (len(ids) - 5) + [1.0] * 5
         samples.append(PackSample(torch.tensor(ids), torch.tensor(mask), torch.tensor([[t, h, w]])))
+    if multi_image:
+        ids = text(2)
+        for t, h, w in multi_image:
+            ids += [model.vision_start_token_id] + [model.image_token_id] * (t * h * w // merge**2) \
+                + [model.vision_end_token_id] + text(3)
+        ids += text(5)
+        mask = [0.0] * (len(ids) - 6) + [1.0] * 6
+        samples.append(PackSample(torch.tensor(ids), torch.tensor(mask), torch.tensor([list(x) for x in multi_image])))
     for k in range(text_only):
         ids = text(7 + k)
         samples.append(PackSample(torch.tensor(ids), torch.ones(len(ids)), None))
+    grids = (*grids, *multi_image)  # in the order of the samples' images
     patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
     n_patches = sum(t * h * w for t, h, w in grids)
     pixel_values = torch.randn(n_patches, patch, generator=g)
