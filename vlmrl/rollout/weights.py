@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
@@ -248,8 +249,9 @@ def serialize_ipc(named_tensors: Sequence[tuple[str, Any]] | dict[str, Any]) -> 
 # SGLang's own unpickler admits whole module prefixes (`torch.`, `builtins.`), under which
 # `torch.save`, `torch.load`, `torch.hub.load` or `torch.utils.cpp_extension.load_inline`
 # would run code or touch files.
+_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 IPC_GLOBALS = frozenset({
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # (`_REBUILD`)
+    _REBUILD,
     ("torch", "Tensor"),
     ("torch", "Size"),
     ("torch.storage", "TypedStorage"),
@@ -258,9 +260,7 @@ IPC_GLOBALS = frozenset({
 })
 
 
-_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
-
-
+@functools.cache
 def _dtype_names() -> frozenset[str]:
     """The names under which torch exposes its dtypes (read from what torch has loaded: an
     unknown name is never looked up, which could import one of torch's lazy submodules)."""
@@ -326,12 +326,11 @@ def load_ipc(data: bytes) -> Any:
 
 def check_ipc_payload(obj: Any) -> Any:
     """`obj` if it is what a weight payload holds: a list of (str, tensor) pairs, or a
-    flattened bucket ({"flattened_tensor": uint8 tensor, "metadata": [SimpleNamespace]},
-    checked by `check_flat_layout`); else ValueError saying what it is instead."""
+    flattened bucket ({"flattened_tensor": uint8 tensor, "metadata": [SimpleNamespace]}, whose
+    layout `unflatten_bucket` checks before it reads it); else ValueError saying what it is."""
     if isinstance(obj, dict):
         if set(obj) != {"flattened_tensor", "metadata"}:
             raise ValueError(f"a flattened bucket has the keys flattened_tensor and metadata, not {sorted(obj)}")
-        check_flat_layout(obj["flattened_tensor"], obj["metadata"])
         return obj
     return check_named_tensors(obj)
 
