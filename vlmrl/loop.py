@@ -94,22 +94,30 @@ def rollout_prompt(prompt: Any) -> Any:
                          images=tuple(encode_data_uri(im) for im in prompt.images), answer=prompt.answer)
 
 
-def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any],
-                  advantages: list[float]) -> tuple[list[Any], dict[str, int]]:
+def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any], advantages: list[float], *,
+                  routing: tuple[int, int] | None = None, replay: bool = False) -> tuple[list[Any], dict[str, int]]:
     """TrainSamples of rollout records: the processor's prompt tokens (image placeholders
     expanded exactly as in rollout) followed by the generated tokens. A generated token is
     text to the trainer as it was to the engine, the image token's id included
     (`TrainSample.prompt_len`).
 
+    With `routing` (layers, top-k: the engines report each token's experts) a sample carries
+    them (`TrainSample.routed_experts`, [tokens - 1, layers, top-k]).
+
     Samples that cannot be trained on are left out and counted by reason (second return
     value): `prompt_mismatch` (the engine tokenised the prompt differently from the trainer:
-    other image pixel bounds or chat template; its logprobs belong to another sequence)."""
+    other image pixel bounds or chat template; its logprobs belong to another sequence);
+    `bad_routed_experts` (the engine's experts do not decode to [tokens - 1, layers, top-k]);
+    with `replay`, `no_routed_experts` (the engine reported none: replay could not hold)."""
+    import torch
+
     from .data.prompts import encode_prompt
+    from .rollout.protocol import decode_routed_experts
     from .training.batch import TrainSample
 
     encoded: dict[int, dict[str, Any]] = {}
     out = []
-    skipped = {"prompt_mismatch": 0}
+    skipped = {"prompt_mismatch": 0, "bad_routed_experts": 0, "no_routed_experts": 0}
     for rec, adv in zip(records, advantages):
         if rec.prompt_index not in encoded:
             encoded[rec.prompt_index] = encode_prompt(processor, prompts[rec.prompt_index])
@@ -124,10 +132,27 @@ def train_samples(processor: Any, prompts: dict[int, Any], records: list[Any],
             continue
         if not resp:
             continue
+        experts = None
+        if routing is not None and rec.routed_experts is not None:
+            layers, topk = routing
+            try:
+                flat = decode_routed_experts(rec.routed_experts, tokens=len(ids) + len(resp), layers=layers, topk=topk)
+            except ValueError as e:
+                if not skipped["bad_routed_experts"]:
+                    log.warning("row %s: %s; skipping such samples", rec.prompt_index, e)
+                skipped["bad_routed_experts"] += 1
+                continue
+            experts = torch.tensor(flat, dtype=torch.int16).view(-1, layers, topk)
+        elif replay:
+            if not skipped["no_routed_experts"]:
+                log.warning("row %s: the engine reported no routed experts (algo.routing_replay needs them; "
+                            "SGLang: --enable-return-routed-experts); skipping such samples", rec.prompt_index)
+            skipped["no_routed_experts"] += 1
+            continue
         out.append(TrainSample(
             input_ids=ids + resp, loss_mask=[0.0] * len(ids) + [1.0] * len(resp),
             pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"], advantage=float(adv),
-            rollout_logprobs=list(rec.logprobs) if rec.logprobs is not None else None))
+            rollout_logprobs=list(rec.logprobs) if rec.logprobs is not None else None, routed_experts=experts))
     return out, skipped
 
 
@@ -223,14 +248,15 @@ class Loop:
         if cfg.rollout.name == "sglang":
             import asyncio
 
-            from .config.layout import compute_layout, engine_bind_host
+            from .config.layout import compute_layout, engine_bind_host, returns_routed_experts
             from .rollout.sglang import launch_sglang_engines
 
             self.sglang = asyncio.run(launch_sglang_engines(
                 cfg.rollout, cfg.hardware, cfg.model, compute_layout(cfg).engines(cfg), run_dir=self.run_dir,
                 placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
                 cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data,
-                host=engine_bind_host(cfg), api_key=self.engine_key))
+                host=engine_bind_host(cfg), api_key=self.engine_key,
+                return_routed_experts=returns_routed_experts(cfg)))
             print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
                   f"{', '.join(e.base_url for e in self.sglang.engines)}")
             engines = self.sglang.generation  # the router when there is one
@@ -245,8 +271,14 @@ class Loop:
         progress = cfg.logger.progress
         # a restart needs the engines themselves (not a router) to be the generation targets
         restart = self._restart_engine if engines is self.admin_engines else None
+        from .config.layout import returns_routed_experts
+
+        # (layers, top-k) of the experts the engines report with each sample, or None
+        self._routing = ((cfg.model.lm.num_layers, cfg.model.lm.moe_router_topk)
+                         if returns_routed_experts(cfg) else None)
         self.rollout = RolloutManager.from_config(engines, cfg.rollout, n_samples=cfg.algo.n_samples_per_prompt,
-                                                  seed=cfg.seed, progress=progress, restart_engine=restart)
+                                                  seed=cfg.seed, progress=progress, restart_engine=restart,
+                                                  return_routed_experts=self._routing is not None)
         self.evaluator = RolloutManager.from_config(engines, cfg.rollout, n_samples=1, seed=cfg.seed,
                                                     progress=progress, eval_mode=True, restart_engine=restart)
 
@@ -534,7 +566,8 @@ class Loop:
         rewards = self.pool.score([r.text for r in records], [by_index[r.prompt_index].answer for r in records])
         advantages = compute_advantages(cfg.algo.advantage_estimator, rewards, n,
                                         reward_dtype=cfg.algo.reward_dtype).tolist() if records else []
-        samples, skipped = train_samples(self.processor, by_index, records, advantages)
+        samples, skipped = train_samples(self.processor, by_index, records, advantages, routing=self._routing,
+                                         replay=cfg.algo.routing_replay != "none")
 
         t_train = time.perf_counter()
         self._phase("train")  # colocated: the engines give their GPU memory to the trainer
@@ -589,6 +622,7 @@ class Loop:
             "rollout/engine_restarts": batch.stats.engine_restarts,
             "rollout/stale_samples": stale,
             "rollout/prompt_mismatch_samples": skipped["prompt_mismatch"],
+            "rollout/bad_routed_experts_samples": skipped["bad_routed_experts"] + skipped["no_routed_experts"],
             "rollout/reward_timeouts": self.pool.stats.timeouts,
             "rollout/reward_retries": self.pool.stats.retries,
             "rollout/reward_errors": self.pool.stats.errors,

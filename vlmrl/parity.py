@@ -26,6 +26,12 @@ CLI (Hydra overrides composed with vlmrl's config; checks the configured layout)
 
     python -m vlmrl.parity model=tiny_qwen3_5_moe parallel.tp=2 parallel.sequence_parallel=true parallel.ep=2
     python -m vlmrl.parity model.path=/path/to/checkpoint parallel.cp=2
+    python -m vlmrl.parity model=tiny_qwen3_5_moe algo.routing_replay=rollout parallel.ep=2
+
+With `algo.routing_replay=rollout` (MoE) every token of the batch carries random "engine"
+experts; the single process must route exactly by them (every layer, every token the engine
+routed) and each layout must then match it, while the single process without replay must
+not (the replay changes the routing).
 
 prints a table of max |diff| figures with PASS/FAIL against the bounds and exits non-zero
 on a failure.
@@ -72,6 +78,9 @@ class RunResult:
     # max |logits of a sample inside the pack - logits of the same sample alone| ("single" only)
     pack_vs_alone: float = float("nan")
     num_parameters: int = 0  # parameters held by global rank 0 (the whole model under "single")
+    # routing replay: (layer, token) pairs whose routed experts differ from the engine's, summed
+    # over the ranks (-1: not replayed)
+    replay_misses: int = -1
 
 
 def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (1, 6, 4)),
@@ -120,6 +129,21 @@ def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int
     targets = torch.randint(0, lm.vocab_size, (total,), generator=g)
     grid = torch.tensor([list(x) for x in grids]).view(-1, 3)
     return ParityBatch(samples, pixel_values, grid, targets, seed)
+
+
+def with_engine_experts(model: ModelConfig, batch: ParityBatch, *, seed: int = 0) -> ParityBatch:
+    """The batch with random engine experts on every sample's tokens but its last (as an
+    engine reports them): distinct top-k ids per token and layer."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 7)
+    lm = model.lm
+    samples = []
+    for s in batch.samples:
+        n = len(s.input_ids) - 1
+        ids = torch.rand(n, lm.num_layers, lm.num_experts, generator=g).argsort(-1)[..., :lm.moe_router_topk]
+        samples.append(dataclasses.replace(s, routed_experts=ids.to(torch.int16)))
+    return dataclasses.replace(batch, samples=samples)
 
 
 def use_transformers_torch_paths() -> None:
@@ -208,8 +232,9 @@ def hf_reference(net: Any, batch: ParityBatch, model: ModelConfig) -> RunResult:
 # --------------------------------------------------------------------------- megatron side
 def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[str, Any], batch: ParityBatch,
                  *, name: str, attention_backend: str = "sdpa", fused_kernels: bool = False,
-                 gdn_backend: str = "torch") -> RunResult | None:
+                 gdn_backend: str = "torch", replay: bool = False) -> RunResult | None:
     """Forward + backward of the parity loss under `parallel`; the result on global rank 0.
+    With `replay`, the routers replay the batch's engine experts (`with_engine_experts`).
 
     Collective over the whole default process group (the layout must cover it).
     """
@@ -219,16 +244,23 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .models import adapters, compat, packing
+    from .models import adapters, compat, packing, routing
     from .models.bridge import build_model
     from .rollout.weights import flatten_bucket, unflatten_bucket
     from .training.parallel_state import destroy_parallel_state, init_parallel_state
 
     info = init_parallel_state(parallel, seed=batch.seed)
     try:
+        overrides = {"calculate_per_token_loss": True,
+                     **routing.megatron_overrides(model, precision="fp32", replay=replay)}
         chunks = build_model(model, parallel, params_dtype=torch.float32, attention_backend=attention_backend,
-                             megatron_overrides={"calculate_per_token_loss": True}, fused_kernels=fused_kernels,
-                             gdn_backend=gdn_backend)
+                             megatron_overrides=overrides, fused_kernels=fused_kernels, gdn_backend=gdn_backend)
+        misses: list[Any] = []
+        for c in chunks:
+            routing.configure(c, replay=replay)
+            if replay:
+                for r in routing.routers(c):
+                    r.register_forward_hook(_count_replay_misses(misses))
         adapters.load_hf_weights(chunks, model, hf_state)
         exported = {k: v.cpu() for k, v in adapters.export_hf_state_dict(chunks, model).items()}
         expected = dict(adapters.canonical(hf_state, model))
@@ -251,7 +283,8 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
             c.train()  # dropout is off; train mode exercises the training code paths
         cp = info.cp_size
         multiple = (2 * cp if cp > 1 else 1) * (info.tp_size if parallel.sequence_parallel else 1)
-        whole = packing.pack(batch.samples, image_token_id=model.image_token_id,
+        samples = batch.samples if replay else [dataclasses.replace(s, routed_experts=None) for s in batch.samples]
+        whole = packing.pack(samples, image_token_id=model.image_token_id,
                              spatial_merge_size=model.vision.spatial_merge_size, pad_multiple=multiple)
         local = packing.split_for_cp(whole, cp, info.cp_rank)
         # targets/mask in the padded layout of `whole`, then this rank's share
@@ -307,16 +340,34 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
         payload = logits if logits is not None and info.tp_rank == 0 and info.cp_rank == 0 \
             and info.dp_rank == 0 else None
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, payload)
+        dist.all_gather_object(gathered, (payload, int(sum(misses))))
         if dist.get_rank() != 0:
             return None
-        logits = next(p for p in gathered if p is not None)
+        logits = next(p for p, _ in gathered if p is not None)
+        # data-parallel replicas route the same tokens: count one replica's misses
+        missed = sum(m for _, m in gathered) // max(info.dp_size, 1) if replay else -1
         fast = sum(bool(getattr(layer, "fast_path", False))
                    for c in chunks for layer in c.language_model.decoder.layers)
         held = sum(p.numel() for c in chunks for p in c.parameters())
-        return RunResult(name, logits, grads, roundtrip, buckets, fast, alone, held)
+        return RunResult(name, logits, grads, roundtrip, buckets, fast, alone, held, missed)
     finally:
         destroy_parallel_state()
+
+
+def _count_replay_misses(out: list[Any]) -> Any:
+    """A router forward hook adding to `out` the tokens whose routed experts differ from the
+    engine's rows it was handed (tokens the engine routed; the router's own slice of them)."""
+    def hook(router: Any, args: Any, output: Any) -> None:
+        routing_map = output[1]
+        rows = router._rows(routing_map.shape[0])
+        if rows is None:
+            return
+        known = rows[:, 0] >= 0
+        chosen = routing_map.int().topk(router.topk, dim=1).indices
+        from .models.routing import topk_sets_differ
+
+        out.append(int((topk_sets_differ(chosen, rows) & known).sum()))
+    return hook
 
 
 def _pack_vs_alone(chunk: Any, model: ModelConfig, batch: ParityBatch, packed_logits: Any, whole: Any) -> float:
@@ -401,10 +452,12 @@ def layout_name(p: ParallelConfig) -> str:
 
 def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[ParallelConfig], seed: int,
            with_hf: bool = True, fused_kernels: bool = False, weights: str | None = None,
-           gdn_backend: str = "torch") -> dict[str, Any] | None:
+           gdn_backend: str = "torch", replay: bool = False) -> dict[str, Any] | None:
     """Per-process body (`parallel_state.spawn_local`): HF reference, then each layout
     (`fused_kernels`: with the Inductor-fused kernels of `hardware.fused_kernels`; `weights`:
-    a checkpoint directory to take the weights from instead of random ones)."""
+    a checkpoint directory to take the weights from instead of random ones). With `replay`
+    (MoE) the layouts replay random engine experts and "single" also runs without replay,
+    as "single-own-routing"."""
     import torch
 
     # an fp32 check: no TF32 in matmuls or convolutions on GPUs
@@ -413,6 +466,8 @@ def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[Paralle
 
     net = make_hf_model(model, seed=seed, weights=weights)
     batch = make_batch(model, seed=seed)
+    if replay:
+        batch = with_engine_experts(model, batch, seed=seed)
     hf_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     results: dict[str, Any] = {}
     if with_hf and rank == 0:
@@ -421,7 +476,12 @@ def worker(rank: int, world_size: int, model: ModelConfig, layouts: list[Paralle
     torch.manual_seed(seed)
     for layout in layouts:
         res = run_megatron(model, layout, hf_state, batch, name=layout_name(layout), fused_kernels=fused_kernels,
-                           gdn_backend=gdn_backend)
+                           gdn_backend=gdn_backend, replay=replay)
+        if rank == 0:
+            results[res.name] = res
+    if replay:
+        res = run_megatron(model, single_layout(world_size), hf_state, batch, name="single-own-routing",
+                           fused_kernels=fused_kernels, gdn_backend=gdn_backend)
         if rank == 0:
             results[res.name] = res
     return results if rank == 0 else None
@@ -469,17 +529,25 @@ def compare(results: dict[str, RunResult]) -> list[Check]:
     """The parity table: single vs HF, every layout vs single (logits and gradients)."""
     checks = []
     single = results["single"]
-    if "hf" in results:
+    replayed = single.replay_misses >= 0  # HF routes by its own router: no HF checks then
+    if "hf" in results and not replayed:
         hf = results["hf"]
         checks.append(Check("logits  single vs HF", max_abs_diff(single.logits, hf.logits), LOGITS_VS_HF))
         checks.append(Check("grads   single vs HF", max_abs_diff(single.grads, hf.grads), GRADS_VS_HF))
         checks.append(Check("grads   single vs HF (relative L2)", rel_l2_diff(single.grads, hf.grads), GRADS_VS_HF))
     if single.pack_vs_alone == single.pack_vs_alone:  # not NaN: measured
         checks.append(Check("logits  in pack vs alone", single.pack_vs_alone, PACK_VS_ALONE))
+    own = results.get("single-own-routing")
+    if own is not None:
+        # 0 when replaying the engine's experts changed the logits (the check has teeth)
+        same = max_abs_diff(own.logits, single.logits) <= 1e-3
+        checks.append(Check("replay changes the routing (0: yes)", float(same), 0.0))
     for name, res in results.items():
-        if name == "hf":
+        if name in ("hf", "single-own-routing"):
             continue
         checks.append(Check(f"weights HF->{name}->HF", res.roundtrip, 0.0))
+        if res.replay_misses >= 0:
+            checks.append(Check(f"routing {name} vs engine (tokens)", float(res.replay_misses), 0.0))
         if name == "single":
             continue
         checks.append(Check(f"logits  {name} vs single", max_abs_diff(res.logits, single.logits), LOGITS_VS_SINGLE))
@@ -503,13 +571,14 @@ def world_size_for(layouts: list[ParallelConfig]) -> int:
 
 
 def run_parity(model: ModelConfig, layouts: list[ParallelConfig], *, seed: int = 0, timeout_s: float = 900.0,
-               fused_kernels: bool = False, weights: str | None = None) -> list[Check]:
-    """Spawn the gloo processes, run HF + single + `layouts`, return the checks."""
+               fused_kernels: bool = False, weights: str | None = None, replay: bool = False) -> list[Check]:
+    """Spawn the gloo processes, run HF + single + `layouts` (with `replay`: replaying random
+    engine experts), return the checks."""
     from .training.parallel_state import spawn_local
 
     world = world_size_for(layouts)
-    results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, True, fused_kernels,
-                          weights, timeout_s=timeout_s)[0]
+    results = spawn_local(worker, world, model, [single_layout(world), *layouts], seed, not replay, fused_kernels,
+                          weights, "torch", replay, timeout_s=timeout_s)[0]
     return compare(results)
 
 
@@ -564,10 +633,15 @@ def main(argv: list[str] | None = None) -> int:
         print("the layout cannot run this model:\n" + "\n".join(f"  - {v}" for v in bad), file=sys.stderr)
         return 2
     fused = cfg.hardware.fused_kernels
-    checks = run_parity(model, layouts, seed=cfg.seed, fused_kernels=fused, weights=weights)
+    replay = cfg.algo.routing_replay != "none"
+    if replay and not model.lm.num_experts:
+        print(f"algo.routing_replay={cfg.algo.routing_replay}: model={model.name} has no experts", file=sys.stderr)
+        return 2
+    checks = run_parity(model, layouts, seed=cfg.seed, fused_kernels=fused, weights=weights, replay=replay)
     print(f"model={model.name} family={model.family} layers={model.lm.num_layers} "
           f"vision_depth={model.vision.depth} layout={layout_name(parallel)} processes={world} "
-          f"weights={'checkpoint' if weights else 'random'} fused_kernels={fused} (fp32, CPU/gloo)")
+          f"weights={'checkpoint' if weights else 'random'} fused_kernels={fused} "
+          f"routing_replay={cfg.algo.routing_replay} (fp32, CPU/gloo)")
     print(format_table(checks))
     return 0 if all(c.ok for c in checks) else 1
 

@@ -84,7 +84,7 @@ def rig(tmp_path_factory, cache_dir):
     from vlmrl.cluster.ray_cluster import ray_cluster
     from vlmrl.cluster.trainer_group import TrainerWorker
     from vlmrl.config import load
-    from vlmrl.config.layout import compute_layout
+    from vlmrl.config.layout import compute_layout, returns_routed_experts
     from vlmrl.data.prompts import PromptDataset
     from vlmrl.loop import model_path
     from vlmrl.models.processor import load_processor
@@ -92,8 +92,10 @@ def rig(tmp_path_factory, cache_dir):
     from vlmrl.rollout.sglang import launch_sglang_engines
 
     run_dir = tmp_path_factory.mktemp("sglang")
+    # routing replay on: the trainer's routers can replay SGLang's experts where a sample
+    # carries them (test_routed_experts_are_reported_and_replayed), the others route as usual
     cfg = load([*sglang_overrides(str(run_dir), cache_dir), "rollout.sglang.mem_fraction_static=0.3",
-                "trainer.offload=false"])
+                "trainer.offload=false", "algo.routing_replay=rollout"])
     path = model_path(cfg)
     layout = compute_layout(cfg)
     with ray_cluster(cfg, run_dir):
@@ -102,7 +104,8 @@ def rig(tmp_path_factory, cache_dir):
         key = new_key()  # the run's engine key: SGLang's --api-key / --admin-api-key
         engines = asyncio.run(launch_sglang_engines(cfg.rollout, cfg.hardware, cfg.model, layout.engines(cfg),
                                                     run_dir=run_dir, placement=placement, model_path=path,
-                                                    colocate=True, data=cfg.data, api_key=key))
+                                                    colocate=True, data=cfg.data, api_key=key,
+                                                    return_routed_experts=returns_routed_experts(cfg)))
         print(f"sglang {engines.version} healthy after {time.perf_counter() - t0:.1f} s")
         worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
         worker.init(path, 4)
@@ -252,6 +255,72 @@ def test_weight_update_matches_the_trainer(rig):
     print(f"after the step: mean |diff| {mean:.2e}, max {worst:.2e}")
     assert mean < MEAN_LOGPROB_TOL and worst < MAX_LOGPROB_TOL
     assert stale.logprobs != fresh.logprobs  # the sync changed what the engine computes
+
+
+def test_routed_experts_are_reported_and_replayed(rig):
+    """SGLang reports each token's experts ([prompt + output - 1, layers, top-k], decoded as a
+    run decodes them); the trainer's bf16 router (fp32 logits) picks the same top-k set for
+    most tokens (the share that differs is printed per layer); replaying SGLang's experts
+    routes every token by them and keeps the logprob gap within the bf16 bound."""
+    import torch
+
+    from vlmrl.data.prompts import encode_prompt
+    from vlmrl.models import routing
+    from vlmrl.rollout.protocol import decode_routed_experts
+    from vlmrl.training.batch import TrainSample
+
+    client = _client(rig)
+    _sync(rig, "experts")
+    lm = rig["cfg"].model.lm
+    prompts = rig["prompts"][:4]
+    results = _run(client.generate([_request(p, temperature=1.0).replace(return_routed_experts=True)
+                                    for p in prompts]))
+    trainer = rig["worker"].trainer
+    routers = [r for c in trainer.chunks for r in routing.routers(c)]
+    differ: dict[int, list[int]] = {}
+
+    def sink(router, d, k):
+        acc = differ.setdefault(int(router.layer_number), [0, 0])
+        acc[0] += int(d)
+        acc[1] += int(k)
+
+    saved = [r.__dict__.get("vlmrl_mismatch_sink") for r in routers]
+    try:
+        for r in routers:
+            r.vlmrl_mismatch_sink = sink
+        for p, res in zip(prompts, results):
+            n = len(res.prompt_ids) + len(res.output_ids)
+            flat = decode_routed_experts(res.routed_experts, tokens=n, layers=lm.num_layers, topk=lm.moe_router_topk)
+            experts = torch.tensor(flat).view(n - 1, lm.num_layers, lm.moe_router_topk)
+            assert 0 <= int(experts.min()) and int(experts.max()) < lm.num_experts
+            assert bool((experts.sort(-1).values.diff(dim=-1) > 0).all())  # k distinct experts a token
+            enc = encode_prompt(rig["processor"], p)
+            assert enc["input_ids"] == res.prompt_ids
+            sample = TrainSample(input_ids=res.prompt_ids + list(res.output_ids),
+                                 loss_mask=[0.0] * len(res.prompt_ids) + [1.0] * len(res.output_ids),
+                                 pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                                 routed_experts=experts.to(torch.int16))
+            replayed = rig["worker"].logprobs([sample])[0].float().tolist()
+            for c in trainer.chunks:
+                routing.configure(c, replay=False)
+            try:
+                own = rig["worker"].logprobs([sample])[0].float().tolist()
+            finally:
+                for c in trainer.chunks:
+                    routing.configure(c, replay=True)
+            own_gap, replay_gap = _gap(res.logprobs, own), _gap(res.logprobs, replayed)
+            print(f"logprob gap: own routing {own_gap[0]:.2e} (max {own_gap[1]:.2e}), "
+                  f"replayed {replay_gap[0]:.2e} (max {replay_gap[1]:.2e})")
+            assert replay_gap[0] < MEAN_LOGPROB_TOL and replay_gap[1] < MAX_LOGPROB_TOL
+    finally:
+        for r, old in zip(routers, saved):
+            if old is None:
+                r.__dict__.pop("vlmrl_mismatch_sink", None)
+            else:
+                r.vlmrl_mismatch_sink = old
+    shares = {layer: d / k for layer, (d, k) in sorted(differ.items())}
+    print("tokens routed unlike SGLang, by layer:", {k: round(v, 4) for k, v in shares.items()})
+    assert len(shares) == lm.num_layers and max(shares.values()) < 0.25
 
 
 def test_release_refuses_generation_and_resume_serves_again(rig):

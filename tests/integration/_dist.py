@@ -105,7 +105,20 @@ def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "
     e32 = run(eager, torch.float32) if device == "cpu" else None
     m16 = run(megatron, torch.bfloat16)
     c16 = run(lambda x: layer(x)[0], torch.bfloat16)
-    return {"eager_fp32_vs_megatron": worst(e32, m32) if e32 is not None else None, "compiled_bf16_vs_megatron_fp32": worst(c16, m32),
+    # the router in the engines' precision (trainer.moe_router_precision=engine): logits rounded
+    # to bf16 in both paths, so both route alike
+    layer.config.moe_router_dtype = None
+    try:
+        engine_problem = compiled_path_problem(layer)
+        m16e = run(megatron, torch.bfloat16)
+        megatron_counts = seen["router"]
+        c16e = run(lambda x: layer(x)[0], torch.bfloat16)
+        engine_counts_match = float(seen["sink"][0] == megatron_counts)
+    finally:
+        layer.config.moe_router_dtype = "fp32"
+    return {"engine_precision_problem": engine_problem, "engine_precision_counts_match": engine_counts_match,
+            "engine_precision_compiled_vs_megatron": float((c16e[0] - m16e[0]).detach().abs().max()),
+            "engine_precision_vs_fp32_router": float((m16e[0] - m16[0]).detach().abs().max()),"eager_fp32_vs_megatron": worst(e32, m32) if e32 is not None else None, "compiled_bf16_vs_megatron_fp32": worst(c16, m32),
             "megatron_bf16_vs_megatron_fp32": worst(m16, m32),
             "counts_match": float(seen["sink"][0] == seen["router"] and seen["sink"][1] == tokens),
             "problems": problems, "compiled_graphs": _compiled_graphs(),
@@ -242,3 +255,51 @@ def bench_weights_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"same_init": same_init, "copied": copied,
             "lm_params": sum(1 for n, _ in model.named_parameters() if "visual" not in n),
             "max_diff": float((ours - ref).abs().max()), "scale": float(ref.abs().max())}
+
+
+def replay_trainer_worker(rank: int, world_size: int, model_cfg: Any, path: str, samples: list[Any],
+                          noise: float) -> dict[str, Any]:
+    """The trainer's model of the checkpoint at `path` with its routers perturbed by `noise`
+    (relative), routing `samples` (TrainSamples carrying an engine's experts) in training
+    forwards with and without routing replay: per pass the tokens routed unlike the engine
+    (router hooks) and the step observer's mismatch metrics."""
+    import torch
+
+    from vlmrl.config.schema import ParallelConfig
+    from vlmrl.models import adapters, routing
+    from vlmrl.models.bridge import build_model
+    from vlmrl.training.batch import build_micro_batch
+    from vlmrl.training.observe import StepObserver
+    from vlmrl.training.parallel_state import init_parallel_state
+
+    init_parallel_state(ParallelConfig(), backend="gloo", seed=0)
+    overrides = {"calculate_per_token_loss": True,
+                 **routing.megatron_overrides(model_cfg, precision="fp32", replay=True)}
+    chunk = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, megatron_overrides=overrides)[0]
+    adapters.load_hf_weights([chunk], model_cfg, path)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for r in routing.routers(chunk):
+            r.weight.add_(torch.randn(r.weight.shape, generator=gen) * noise * r.weight.std())
+    misses: list[int] = []
+
+    def hook(router: Any, args: Any, output: Any) -> None:
+        rows = router._rows(output[1].shape[0])
+        chosen = output[1].int().topk(router.topk, dim=1).indices
+        known = rows[:, 0] >= 0
+        misses.append(int((routing.topk_sets_differ(chosen, rows) & known).sum()))
+
+    for r in routing.routers(chunk):
+        r.register_forward_hook(hook)
+    observer = StepObserver([chunk])
+    mb = build_micro_batch(samples, image_token_id=model_cfg.image_token_id,
+                           spatial_merge_size=model_cfg.vision.spatial_merge_size)
+    chunk.train()
+    out: dict[str, Any] = {"known": int((mb.packed.routed_experts[:, 0, 0] >= 0).sum())}  # tokens
+    for replay in (False, True):
+        routing.configure(chunk, replay=replay)
+        misses.clear()
+        chunk(mb.packed, mb.pixel_values).sum().backward()
+        out[f"misses_replay={replay}"] = sum(misses)
+        out[f"observed_replay={replay}"] = observer.collect()
+    return out

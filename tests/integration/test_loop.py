@@ -224,17 +224,21 @@ RECIPE_ON_CPU = ["experiment=geo3k_qwen35", "model=tiny_qwen3_5_moe", "hardware=
 # (test_qwen35_parity.py::test_tp_wider_than_the_kv_groups) and the recipe's own TP2. CP2 is
 # slow too (the suite's time budget): its numerics against HF and its trainer step (both
 # families) stay in the default suite, in the parity and trainer tests.
-@pytest.mark.parametrize("layout", [[], pytest.param(["parallel.tp=1", "parallel.sequence_parallel=false",
+@pytest.mark.parametrize("layout", [["algo.routing_replay=rollout"],
+                                    pytest.param(["parallel.tp=1", "parallel.sequence_parallel=false",
                                                       "parallel.cp=2"], marks=pytest.mark.slow),
                                     pytest.param(["parallel.tp=4", "cluster.num_cpu_ranks=4"],
                                                  marks=pytest.mark.slow)],
-                         ids=["tp2+sp+ep2", "cp2+ep2", "tp4+sp+ep2"])
+                         ids=["tp2+sp+ep2+replay", "cp2+ep2", "tp4+sp+ep2"])
 def test_reference_recipe_in_miniature(tmp_path, cache_dir, layout):
     """`experiment=geo3k_qwen35` with the tiny Qwen3.5-MoE on CPU ranks: the recipe's layout
     (TP2 + SP, EP2 for the experts, full recompute, micro-batch 1), a CP2 run, and TP4 (wider
     than the model's 2 KV groups, as `parallel.tp=4` on the full model) on four ranks. Each
     does rollout, rewards, training, weight sync (engine logprobs equal the trainer's after
-    every sync), evaluation and a checkpoint, and reports the MoE routing metrics."""
+    every sync), evaluation and a checkpoint, and reports the MoE routing metrics. The first
+    also replays the engine's experts (`algo.routing_replay=rollout`): the engine reports them
+    with every sample, and the trainer measures its own router's disagreement (none here: the
+    same fp32 weights on both sides)."""
     from vlmrl.config import load
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
@@ -256,6 +260,12 @@ def test_reference_recipe_in_miniature(tmp_path, cache_dir, layout):
         assert all(1.0 <= r[k] <= cfg.model.lm.num_experts / cfg.model.lm.moe_router_topk + 1e-9 for k in layers)
         assert r["moe/dropped_frac"] == 0.0  # no capacity factor: nothing dropped
         assert r["perf/fwd_gdn_s"] > 0 and r["perf/fwd_attention_s"] > 0 and r["perf/fwd_moe_s"] > 0
+        replayed = cfg.algo.routing_replay == "rollout"
+        assert ("moe/route_mismatch_mean" in r) == replayed
+        if replayed:
+            assert r["rollout/bad_routed_experts_samples"] == 0
+            assert len([k for k in r if k.startswith("moe/route_mismatch/layer_")]) == cfg.model.lm.num_layers
+            assert r["moe/route_mismatch_max"] <= 0.01, r["moe/route_mismatch_max"]
     assert find_latest(tmp_path / "checkpoints") is not None
 
 

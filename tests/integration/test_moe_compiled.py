@@ -46,3 +46,12 @@ def test_configurations_the_block_does_not_compute_keep_megatrons_forward(result
 def test_the_compiled_path_ran(result):
     assert result["compiled_graphs"] >= 1  # Dynamo compiled the block (and the test's bf16 run was not eager)
     assert 0 < result["compiled_vs_megatron_bf16_output"] < 0.5  # another rounding, the same values
+
+
+def test_router_in_the_engines_precision_compiles_and_routes_as_megatron(result):
+    """`trainer.moe_router_precision=engine` (Megatron's moe_router_dtype=None: bf16 logits,
+    as transformers and SGLang compute them) keeps the compiled block, which then routes every
+    token as Megatron's bf16 router does and gives the same outputs up to bf16 rounding."""
+    assert result["engine_precision_problem"] is None
+    assert result["engine_precision_counts_match"] == 1.0
+    assert result["engine_precision_compiled_vs_megatron"] < 0.5

@@ -107,7 +107,7 @@ def test_untrainable_samples_are_left_out_and_counted_by_reason(monkeypatch):
     records = [record(0, [7, 8]), record(1, [7, 5, 8]), record(2, []), record(3, [7], prompt_ids=[1, 2, 2, 3]),
                record(4, [9], prompt_ids=[1, 2, 3])]
     samples, skipped = train_samples(None, {0: object()}, records, [0.5, -0.5, 0.0, 1.0, 0.25])
-    assert skipped == {"prompt_mismatch": 1} and len(samples) == 3
+    assert skipped == {"prompt_mismatch": 1, "bad_routed_experts": 0, "no_routed_experts": 0} and len(samples) == 3
     assert samples[0].input_ids == [1, 2, 3, 7, 8] and samples[0].loss_mask == [0, 0, 0, 1, 1]
     assert samples[1].input_ids == [1, 2, 3, 7, 5, 8] and samples[1].prompt_len == 3
     assert samples[2].input_ids == [1, 2, 3, 9] and samples[2].advantage == 0.25
@@ -127,3 +127,47 @@ def test_verifier_params_reject_parameters_the_verifier_does_not_take():
     bad = dataclasses.replace(cfg.reward, tolerance=0.05)
     with pytest.raises(ValueError, match="reward.tolerance=0.05 is not a parameter"):
         verifier_params(bad)
+
+
+def test_engine_experts_travel_with_their_samples(monkeypatch):
+    """Routed experts as an engine reports them (base64 int32 [tokens - 1, layers, k]) become
+    the sample's tensor; ones of the wrong size, or none while replaying, skip the sample and
+    are counted; the packed micro-batch holds them at each sample's rows (-1 on its last token
+    and padding), and the context-parallel shares hold every row once."""
+    from types import SimpleNamespace
+
+    import vlmrl.data.prompts
+    from vlmrl.loop import train_samples
+    from vlmrl.rollout.protocol import encode_routed_experts
+
+    monkeypatch.setattr(vlmrl.data.prompts, "encode_prompt", lambda processor, prompt: {
+        "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
+    layers, k = 2, 2
+
+    def record(ids: list[int], rows: int | None) -> SimpleNamespace:
+        experts = None if rows is None else encode_routed_experts(range(rows * layers * k))
+        return SimpleNamespace(prompt_index=0, sample_index=0, response_ids=ids, prompt_ids=None,
+                               logprobs=[-1.0] * len(ids), routed_experts=experts)
+
+    records = [record([7, 8], 4), record([7, 8, 9], 3), record([7], None), record([9, 9, 9], 5)]
+    samples, skipped = train_samples(None, {0: object()}, records, [1.0] * 4, routing=(layers, k), replay=True)
+    assert skipped == {"prompt_mismatch": 0, "bad_routed_experts": 1, "no_routed_experts": 1}
+    assert [s.routed_experts.shape for s in samples] == [(4, layers, k), (5, layers, k)]
+    assert samples[0].routed_experts.flatten().tolist() == list(range(16))
+    kept, _ = train_samples(None, {0: object()}, records[2:3], [1.0], routing=(layers, k), replay=False)
+    assert len(kept) == 1 and kept[0].routed_experts is None  # measuring only: kept without them
+
+    mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, cp_size=1, sp_size=2)
+    rows, offsets = mb.packed.routed_experts, mb.packed.cu_seqlens_padded.tolist()
+    assert rows.shape == (mb.packed.num_tokens, layers, k)
+    for s, a, b in zip(samples, offsets, offsets[1:]):
+        n = s.routed_experts.shape[0]
+        assert torch.equal(rows[a:a + n], s.routed_experts) and bool((rows[a + n:b] == -1).all())
+    shares = [build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, cp_size=2, cp_rank=r)
+              for r in range(2)]
+    whole = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, cp_size=2, cp_rank=0).whole
+    for share in shares:
+        assert torch.equal(share.packed.routed_experts, whole.routed_experts[share.packed.token_index])
+    assert sorted(torch.cat([x.packed.token_index for x in shares]).tolist()) == list(range(whole.num_tokens))
+    with pytest.raises(ValueError, match="routed_experts"):
+        TrainSample(input_ids=[1, 2], loss_mask=[0.0, 1.0], routed_experts=torch.zeros(3, 1, 1))

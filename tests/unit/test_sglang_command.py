@@ -192,7 +192,7 @@ def test_router_command():
 # SGLang's GenerateReqInput / SamplingParams / weight-update request fields (io_struct.py,
 # sampling_params.py of the newest release in vlmrl/rollout/contracts), read with ast when the flags were made.
 GENERATE_FIELDS = {"text", "input_ids", "image_data", "sampling_params", "return_logprob", "rid",
-                   "return_prompt_token_ids", "stream", "logprob_start_len"}
+                   "return_prompt_token_ids", "stream", "logprob_start_len", "return_routed_experts"}
 SAMPLING_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "sampling_seed",
                    "ignore_eos", "n", "min_p", "skip_special_tokens", "no_stop_trim"}
 
@@ -235,3 +235,31 @@ def test_distributed_update_metadata():
     for _, t in ordered:  # every offset aligned to its element size
         assert offset % t.element_size() == 0
         offset += t.numel() * t.element_size()
+
+
+def test_routed_experts_are_asked_for_and_read_in_sglang_form():
+    """The run starts SGLang able to report experts when it needs them; a request asks for them
+    under SGLang's field name; the reply's base64 int32 decodes, checked against its shape."""
+    from vlmrl.config import load
+    from vlmrl.rollout.protocol import decode_routed_experts, encode_routed_experts
+
+    cfg = load(["experiment=geo3k_qwen35"])
+    plain = server_args(cfg.rollout, cfg.hardware, cfg.model, port=15000)
+    asked = server_args(cfg.rollout, cfg.hardware, cfg.model, port=15000, return_routed_experts=True)
+    assert "--enable-return-routed-experts" not in _parse(to_cli(plain))
+    assert _parse(to_cli(asked))["--enable-return-routed-experts"] == []
+    assert "--enable-return-routed-experts" in FLAGS.cli_flags()
+    body = request_to_sglang(GenerateRequest(input_ids=(1, 2), return_routed_experts=True))
+    assert body["return_routed_experts"] is True and set(body) <= GENERATE_FIELDS
+    assert "return_routed_experts" not in request_to_sglang(GenerateRequest(input_ids=(1, 2)))
+    values = [3, 1, 0, 7, 2, 2, 5, 4, 6, 1, 0, 3]
+    reply = {"text": "", "output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                                                             "routed_experts": encode_routed_experts(values)}}
+    res = result_from_sglang(reply)
+    assert decode_routed_experts(res.routed_experts, tokens=4, layers=2, topk=2) == values
+    with pytest.raises(ValueError, match="3 tokens x 2 layers x top-2 need 8"):
+        decode_routed_experts(res.routed_experts, tokens=3, layers=2, topk=2)
+    with pytest.raises(ValueError, match="not base64"):
+        decode_routed_experts("@@@", tokens=1, layers=1, topk=1)
+    with pytest.raises(ValueError, match="whole number of int32"):
+        decode_routed_experts("AAA=", tokens=1, layers=1, topk=1)

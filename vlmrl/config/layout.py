@@ -62,6 +62,13 @@ def is_moe_model(cfg: VlmrlConfig) -> bool:
     return cfg.model.lm.num_experts > 0
 
 
+def returns_routed_experts(cfg: VlmrlConfig) -> bool:
+    """Whether the rollout engines report each token's experts (`rollout.return_routed_experts`;
+    null: exactly when `algo.routing_replay` replays them)."""
+    flag = cfg.rollout.return_routed_experts
+    return cfg.algo.routing_replay != "none" if flag is None else bool(flag)
+
+
 def compute_layout(cfg: VlmrlConfig) -> Layout:
     """Sizes only; validity is checked by `validate` (which calls this with guards)."""
     c, p, r = cfg.cluster, cfg.parallel, cfg.rollout

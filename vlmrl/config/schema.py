@@ -266,6 +266,10 @@ class AlgoConfig(Sealable):
     mis: str = "none"
     mis_low: float = 0.5
     mis_high: float = 2.0
+    # Routing replay (MoE): none | rollout. rollout: the trainer routes every token to the
+    # experts the rollout engine chose for it, in the old-logprob and training passes; the
+    # router's weights over those experts still come from the trainer's logits.
+    routing_replay: str = "none"
     # SFT warm-up steps run before RL (algo=grpo) or the SFT step count (algo=sft).
     sft_steps: int = 0
     sft_batch_size: int = 32
@@ -298,6 +302,9 @@ class TrainerConfig(Sealable):
     offload: bool | None = None
     # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
     moe_aux_loss_coeff: float = 0.0
+    # MoE router logits: fp32 (Megatron's float32 router) | engine (in the model's dtype, as
+    # transformers and SGLang compute them: in bf16 the two pick other experts at near-ties)
+    moe_router_precision: str = "fp32"
     # Passed verbatim to Megatron's TransformerConfig (not re-declared one by one).
     megatron: dict[str, Any] = field(default_factory=dict)
 
@@ -382,6 +389,10 @@ class RolloutConfig(Sealable):
     request_timeout_s: float = 600.0
     max_retries: int = 3
     weight_update_bucket_mb: int = 512
+    # the engines report the experts each token was routed to (MoE; SGLang's
+    # return_routed_experts), and the trainer measures per layer how often its own router
+    # picks others (moe/route_mismatch); null: exactly when algo.routing_replay needs them
+    return_routed_experts: bool | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)

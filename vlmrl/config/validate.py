@@ -11,6 +11,7 @@ Megatron: each TP rank routes its own slice of the tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .layout import compute_layout, is_gdn_model, is_moe_model
 from .schema import VlmrlConfig
@@ -42,6 +43,8 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "algo.loss_agg_mode": ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "token_sum_norm"),
     "algo.kl_type": ("k1", "k2", "k3", "low_var_kl"),
     "algo.mis": ("none", "token", "sequence"),
+    "algo.routing_replay": ("none", "rollout"),
+    "trainer.moe_router_precision": ("fp32", "engine"),
     "trainer.optim.optimizer": ("adam",),
     "trainer.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "parallel.recompute_granularity": (None, "selective", "full"),
@@ -49,6 +52,23 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "rollout.name": ("embedded", "sglang"),
     "cluster.name": ("local", "external"),
 }
+
+
+def _routing_rules(cfg: VlmrlConfig, fail: Any) -> None:
+    """Routing replay and the engines' routed experts (`vlmrl.models.routing`)."""
+    from .layout import returns_routed_experts
+
+    a, p = cfg.algo, cfg.parallel
+    if a.routing_replay != "none" and cfg.rollout.return_routed_experts is False:
+        fail("routing-replay", f"algo.routing_replay={a.routing_replay} replays the experts the engines report: "
+             "it needs rollout.return_routed_experts=true (or null)")
+    if returns_routed_experts(cfg) and not is_moe_model(cfg):
+        fail("routing-replay", f"model={cfg.model.name} has no experts: algo.routing_replay=none and "
+             "rollout.return_routed_experts=false (or null)")
+    if (a.routing_replay != "none" and p.pp > 1 and p.recompute_granularity == "full"):
+        fail("routing-replay", "routing replay with pipeline parallelism (parallel.pp>1) and full activation "
+             "recompute: a recomputed layer would route by a later micro-batch's experts (use "
+             "parallel.recompute_granularity=null or selective, or parallel.pp=1)")
 
 
 @dataclass(frozen=True)
@@ -341,6 +361,7 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if a.mis != "none" and not 0 < a.mis_low < 1 < a.mis_high:
         fail("mis-band", f"algo.mis={a.mis} keeps ratios in [algo.mis_low, algo.mis_high]: need 0 < mis_low < 1 "
              f"< mis_high (got {a.mis_low}, {a.mis_high})")
+    _routing_rules(cfg, fail)
     if p.cp > 1 and a.mis == "sequence":
         fail("cp-loss", f"context parallel (parallel.cp={p.cp}) splits sequences over ranks: algo.mis=sequence "
              "needs each sequence whole (use algo.mis=token)")

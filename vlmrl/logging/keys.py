@@ -15,6 +15,10 @@ rollout
   rollout/prompt_mismatch_samples
                                 samples left out because the engine tokenised the prompt
                                 differently (image pixel bounds, chat template)
+  rollout/bad_routed_experts_samples
+                                samples left out because the engine's routed experts did not
+                                decode to [tokens - 1, layers, top-k], or (routing replay) it
+                                reported none
   rollout/reward_timeouts       verifier calls that hit reward.timeout_s (worker replaced)
   rollout/reward_retries        samples scored again after their reward worker overran or died
   rollout/reward_errors         verifier calls that raised, or failed twice (scored 0)
@@ -53,6 +57,10 @@ moe (MoE models; means over the step's optimizer updates)
   moe/imbalance/layer_<n>       largest expert load / mean expert load of layer n (1 = even)
   moe/imbalance_max, moe/imbalance_mean
   moe/dropped_frac              routed token slots dropped by a capacity limit
+  moe/route_mismatch/layer_<n>  share of layer n's tokens whose top-k experts in the trainer
+                                differ from the rollout engine's (before any replay; when the
+                                engines report experts: rollout.return_routed_experts)
+  moe/route_mismatch_mean, moe/route_mismatch_max
 
 Eval dataset names must not contain "/" (`eval_key` replaces it with "_"): a key
 `eval/<name>` with no further "/" is an accuracy, anything deeper is a sub-metric.

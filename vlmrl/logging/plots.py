@@ -1,5 +1,6 @@
 """PNG plots of a run's metrics against step: reward, eval accuracy, response length, and for
-MoE models the expert load imbalance of each layer.
+MoE models the expert load imbalance of each layer, with (where the engines report their
+experts) each layer's share of tokens routed unlike the rollout engine below it.
 
 Figures are drawn with matplotlib's object API on an Agg canvas (no pyplot, no global
 backend switch, no display needed) and written through a temporary file plus
@@ -28,6 +29,7 @@ RESPONSE_LENGTH_PNG = "response_length.png"
 MOE_IMBALANCE_PNG = "moe_imbalance.png"
 MISMATCH_PNG = "logprob_mismatch.png"
 MOE_IMBALANCE_PREFIX = "moe/imbalance/layer_"
+MOE_MISMATCH_PREFIX = "moe/route_mismatch/layer_"
 
 Series = tuple[list[int], list[float]]
 
@@ -103,38 +105,54 @@ def write_plots(
         written.append(_save(out / MISMATCH_PNG, "Trainer vs rollout engine logprobs", "mean |difference|",
                              [("", steps, gap, {})]))
 
-    layers = sorted({k for row in rows for k in row if k.startswith(MOE_IMBALANCE_PREFIX)},
-                    key=lambda k: int(k[len(MOE_IMBALANCE_PREFIX):]))
-    moe_lines = []
-    for key in layers:
-        s, v = series(rows, key)
-        if s:
-            moe_lines.append((f"layer {key[len(MOE_IMBALANCE_PREFIX):]}", s, v, {}))
-    if moe_lines:
-        written.append(_save(out / MOE_IMBALANCE_PNG, "MoE expert load (max / mean, 1 = even)", "imbalance",
-                             moe_lines))
+    panels = [(title, ylabel, lines) for title, ylabel, lines in (
+        ("MoE expert load (max / mean, 1 = even)", "imbalance", _layer_lines(rows, MOE_IMBALANCE_PREFIX)),
+        ("Tokens routed unlike the rollout engine", "share of tokens", _layer_lines(rows, MOE_MISMATCH_PREFIX)),
+    ) if lines]
+    if panels:
+        written.append(_save_panels(out / MOE_IMBALANCE_PNG, panels))
     return written
 
 
-def _save(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float], dict]]) -> Path:
+Line = tuple[str, list[int], list[float], dict]
+
+
+def _layer_lines(rows: list[dict[str, Any]], prefix: str) -> list[Line]:
+    """One line per layer of the metrics `<prefix><layer>`, in layer order."""
+    keys = sorted({k for row in rows for k in row if k.startswith(prefix)}, key=lambda k: int(k[len(prefix):]))
+    out = []
+    for key in keys:
+        s, v = series(rows, key)
+        if s:
+            out.append((f"layer {key[len(prefix):]}", s, v, {}))
+    return out
+
+
+def _save(path: Path, title: str, ylabel: str, lines: list[Line]) -> Path:
+    return _save_panels(path, [(title, ylabel, lines)])
+
+
+def _save_panels(path: Path, panels: list[tuple[str, str, list[Line]]]) -> Path:
+    """One figure of stacked panels (title, y label, lines) sharing the step axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4 * len(panels)), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for label, steps, values, style in lines:
-        if len(steps) == 1:
-            style = {**style, "marker": style.get("marker", "o")}
-        ax.plot(steps, values, label=label, **style)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    if len(lines) > 1 or lines[0][0]:
-        ax.legend(loc="best", fontsize="small")
+    for i, (title, ylabel, lines) in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, i + 1)
+        for label, steps, values, style in lines:
+            if len(steps) == 1:
+                style = {**style, "marker": style.get("marker", "o")}
+            ax.plot(steps, values, label=label, **style)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if len(lines) > 1 or lines[0][0]:
+            ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ host's kernel launches. The graph takes the weights as arguments, so all MoE lay
 On `FusedTransformerLayer`'s fast path the same function runs inside the layer's output
 graph instead (`block_args`, `report_routing`), and the module itself is not called.
 It is used where its maths is Megatron's configuration exactly (`compiled_path_problem`
-names what rules it out: top-k softmax routing in float32 without auxiliary losses, expert
+names what rules it out: top-k softmax routing in float32 or the model's dtype without auxiliary losses, expert
 bias, grouping or capacity; bf16 activations on Hopper or newer, or on the CPU in tests);
 everything else goes through Megatron's forward.
 """
@@ -337,19 +337,26 @@ class LocalTokenDispatcher:
 
 
 def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: Tensor,
-                shared_fc1: Tensor | None, shared_fc2: Tensor | None, shared_gate: Tensor | None) -> tuple[Tensor, Tensor]:
+                shared_fc1: Tensor | None, shared_fc2: Tensor | None, shared_gate: Tensor | None,
+                round_logits: bool = False) -> tuple[Tensor, Tensor]:
     """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], tokens per expert [E]).
 
     Megatron's maths for this configuration (see `compiled_path_problem`): router logits in
-    float32 (`router_logits`), the top-k logits' softmax as the weights, tokens stably sorted
+    float32 (`router_logits`; with `round_logits`, rounded to x's dtype first, as Megatron's
+    `moe_router_dtype=None`, transformers and SGLang compute them, and the weights rounded
+    likewise), the top-k logits' softmax as the weights, tokens stably sorted
     by expert (token order within an expert), one grouped GEMM per projection, each row's
     SwiGLU activation scaled by its weight, rows put back in token order and summed over the k choices, plus the
     shared expert's SwiGLU scaled by the sigmoid of its gate. Shapes depend on N only: no host sync.
     """
     num_experts = gate_up.shape[0]
     logits = router_logits(x, router_w)
+    if round_logits:
+        logits = logits.to(x.dtype).float()
     top, experts = torch.topk(logits, topk, dim=1)
     weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+    if round_logits:
+        weights = weights.to(x.dtype).float()
     flat = experts.reshape(-1)
     order, inverse = _expert_order(flat, num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
@@ -386,8 +393,7 @@ class LocalMoELayer(MoELayer):
 
     def forward(self, hidden_states: Tensor, intermediate_tensors: Any = None,
                 padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        if not (self.compiled and intermediate_tensors is None and padding_mask is None
-                and _groupable(hidden_states)):
+        if not (intermediate_tensors is None and padding_mask is None and self.compiles(hidden_states)):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         out, counts = fused(moe_forward, self.cuda_graphs)(x, *self.block_args())
@@ -395,8 +401,10 @@ class LocalMoELayer(MoELayer):
         return out.view(hidden_states.shape), None
 
     def compiles(self, x: Tensor) -> bool:
-        """Whether a forward on activations like `x` runs the compiled block."""
-        return self.compiled and _groupable(x)
+        """Whether a forward on activations like `x` runs the compiled block: not while the
+        router holds the engine's experts (`vlmrl.models.routing`: replay and its mismatch
+        metric run in Megatron's router)."""
+        return self.compiled and _groupable(x) and getattr(self.router, "engine_rows", None) is None
 
     def block_args(self) -> tuple[Any, ...]:
         """`moe_forward`'s arguments after the tokens: the router, the experts and the shared
@@ -405,7 +413,8 @@ class LocalMoELayer(MoELayer):
         return (self.router.weight, self.router.topk, self.experts.gate_up_proj, self.experts.down_proj,
                 shared.linear_fc1.weight if shared is not None else None,
                 shared.linear_fc2.weight if shared is not None else None,
-                shared.gate_weight if shared is not None and shared.use_shared_expert_gate else None)
+                shared.gate_weight if shared is not None and shared.use_shared_expert_gate else None,
+                self.config.moe_router_dtype is None)
 
     def report_routing(self, counts: Tensor, tokens: int) -> None:
         """Hand the compiled block's tokens per expert to the router's observer, if one is set."""
@@ -433,7 +442,7 @@ def compiled_path_problem(module: MoELayer) -> str | None:
         "experts are not HFExperts": not isinstance(module.experts, HFExperts),
         "router score function is not softmax after top-k": (c.moe_router_score_function != "softmax"
                                                              or c.moe_router_pre_softmax),
-        "router dtype is not fp32": c.moe_router_dtype != "fp32",
+        "router dtype is neither fp32 nor the model's": c.moe_router_dtype not in ("fp32", None),
         "auxiliary / z losses": (c.moe_router_load_balancing_type not in ("none", None)
                                  or bool(c.moe_z_loss_coeff) or bool(c.moe_aux_loss_coeff)),
         "router input jitter": bool(c.moe_input_jitter_eps),

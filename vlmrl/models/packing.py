@@ -12,7 +12,8 @@ Pure tensor functions (torch only, no process groups):
   parallelism); positions are rebuilt per sample and concatenated.
 - `split_for_cp`: the zigzag share of CP rank r: every sample (padded to a multiple of
   2*cp) is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r, with its token
-  ids, positions, loss mask and the rows of the image features it needs.
+  ids, positions, loss mask, the engine's experts of its tokens (routing replay) and the
+  rows of the image features it needs.
 - `unpack` / `cp_merge`: per-token outputs back to samples / to the unsplit order.
 
 Layout conventions (those of TransformerEngine's THD format): `cu_seqlens` are the cumulative
@@ -41,6 +42,9 @@ class PackSample:
     # tokens [0, prompt_len) may be image placeholders; the rest (what an engine generated) are
     # text whatever their ids. None: the whole sample is prompt.
     prompt_len: int | None = None
+    # the experts the rollout engine routed each token to, [n_rows <= T, layers, top-k] for the
+    # sample's first n_rows tokens (engines report all but the last); None: not known
+    routed_experts: Tensor | None = None
 
 
 @dataclass
@@ -67,6 +71,9 @@ class PackedSequence:
     image_token_id: int = -1
     cp_size: int = 1
     cp_rank: int = 0
+    # the engine's experts of every token held here [T, layers, top-k] (-1: not known, e.g. a
+    # sample's last token or padding); None: no sample carries them (`vlmrl.models.routing`)
+    routed_experts: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -97,6 +104,8 @@ class PackedSequence:
         moved = {k: getattr(self, k).to(device) for k in
                  ("input_ids", "position_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded",
                   "image_grid_thw", "image_token_index", "image_mask", "token_index")}
+        if self.routed_experts is not None:
+            moved["routed_experts"] = self.routed_experts.to(device)
         return replace(self, **moved)
 
 
@@ -229,6 +238,7 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         n_image_tokens.append(int(image_token_count(grid, spatial_merge_size).sum()) if len(grid) else 0)
     input_ids = torch.cat(ids_l)
     total = input_ids.shape[0]
+    routed = _pack_routed_experts(samples, padded_lens, total)
     return PackedSequence(
         input_ids=input_ids,
         position_ids=torch.cat(pos_l, dim=1),
@@ -244,7 +254,31 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         image_mask=torch.cat(image_l),
         token_index=torch.arange(total),
         image_token_id=image_token_id,
+        routed_experts=routed,
     )
+
+
+def _pack_routed_experts(samples: Sequence[PackSample], padded_lens: list[int], total: int) -> Tensor | None:
+    """[total, layers, k] of the samples' engine experts at their packed rows, -1 elsewhere
+    (None when no sample has any). Samples must agree on layers and k."""
+    given = [(i, s.routed_experts) for i, s in enumerate(samples) if s.routed_experts is not None]
+    if not given:
+        return None
+    shape = tuple(given[0][1].shape[1:])
+    out = torch.full((total, *shape), -1, dtype=torch.int16)
+    offsets = [0]
+    for n in padded_lens:
+        offsets.append(offsets[-1] + n)
+    for i, rows in given:
+        rows = torch.as_tensor(rows)
+        if rows.dim() != 3 or tuple(rows.shape[1:]) != shape:
+            raise ValueError(f"sample {i}: engine experts shaped {list(rows.shape)}, the batch's first "
+                             f"[rows, {shape[0]}, {shape[1]}]")
+        n = int(torch.as_tensor(samples[i].input_ids).numel())
+        if rows.shape[0] > n:
+            raise ValueError(f"sample {i}: engine experts for {rows.shape[0]} tokens, the sample has {n}")
+        out[offsets[i]:offsets[i] + rows.shape[0]] = rows.to(torch.int16)
+    return out
 
 
 def _cumsum(lengths: Sequence[int]) -> Tensor:
@@ -309,6 +343,7 @@ def split_for_cp(packed: PackedSequence, cp_size: int, cp_rank: int) -> PackedSe
         token_index=packed.token_index[idx],
         cp_size=cp_size,
         cp_rank=cp_rank,
+        routed_experts=None if packed.routed_experts is None else packed.routed_experts[idx],
     )
 
 

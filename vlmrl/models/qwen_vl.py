@@ -103,6 +103,22 @@ class QwenVLModel(MegatronModule):
             host_offsets=[int(x) for x in packed.cu_seqlens_padded.tolist()],
         )
 
+    def _hand_engine_routing(self, packed: PackedSequence, device: torch.device) -> None:
+        """Give this stage's MoE routers the engine's experts of the packed tokens, or None
+        (`vlmrl.models.routing`; the router list is found once)."""
+        found = self.__dict__.get("_engine_routers")
+        if found is None:
+            from .routing import routers
+
+            found = self.__dict__["_engine_routers"] = routers(self)
+        rows = packed.routed_experts
+        if rows is not None:
+            if not found:
+                raise ValueError("the batch carries the engine's experts but the model has no MoE router")
+            rows = compat.to_device(rows, device)
+        for r in found:
+            r.engine_rows = rows
+
     def embed(self, packed: PackedSequence, pixel_values: Tensor | None, device: torch.device) -> Tensor:
         """Token embeddings [T, 1, hidden] with image features in the placeholder rows."""
         n_here = int(packed.image_mask.sum())  # host side: no device sync
@@ -133,6 +149,7 @@ class QwenVLModel(MegatronModule):
     def forward(self, packed: PackedSequence, pixel_values: Tensor | None = None) -> Tensor:
         device = _module_device(self)
         params = self.packed_seq_params(packed, device)
+        self._hand_engine_routing(packed, device)
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(packed, pixel_values, device)

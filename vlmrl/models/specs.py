@@ -10,8 +10,9 @@ per-layer list. Parts:
   them; the output gate is Megatron's `attention_output_gate` (a TransformerConfig flag);
 - `gdn`: the Gated DeltaNet mixer (`vlmrl.models.gdn`);
 - `mlp`: the dense SwiGLU MLP (column-parallel fc1 [gate; up], row-parallel fc2);
-- `moe`: Megatron's MoELayer with the HF-shaped experts of `vlmrl.models.moe` and, when
-  the model has one, the shared expert with its sigmoid gate;
+- `moe`: Megatron's MoELayer with the HF-shaped experts of `vlmrl.models.moe`, the router
+  that can replay the engine's experts (`vlmrl.models.routing`) and, when the model has
+  one, the shared expert with its sigmoid gate;
 - `layer`: a TransformerLayer (or the fused dense layer) around a mixer and an MLP.
 """
 
@@ -86,6 +87,7 @@ def moe(model: ModelConfig) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .moe import HFExperts, LocalMoELayer
+    from .routing import EngineRoutedRouter
 
     local = LocalSpecProvider()
     shared = None
@@ -93,7 +95,7 @@ def moe(model: ModelConfig) -> Any:
         shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
             linear_fc1=local.column_parallel_linear(), linear_fc2=local.row_parallel_linear()))
     return ModuleSpec(module=LocalMoELayer, submodules=MoESubmodules(experts=ModuleSpec(module=HFExperts),
-                                                                shared_experts=shared))
+                                                                shared_experts=shared, router=EngineRoutedRouter))
 
 
 def layer(mixer: Any, mlp_spec: Any, *, fused: bool = False) -> Any:

@@ -14,6 +14,10 @@
   sampled token, T = temperature (1 for greedy); top-p / top-k only restrict sampling.
 * Each request samples with its own torch.Generator (seeded by `sampling.seed`), so a
   seeded request gives the same tokens whatever else is in its batch.
+* With `return_routed_experts` (MoE models) a request also gets the experts every decoder
+  layer routed each of its tokens to (the prompt's in the prefill, each fed-back sampled
+  token's in its decode step; the last sampled token is never fed), read from the routers'
+  outputs by forward hooks, in SGLang's wire form (`protocol.encode_routed_experts`).
 * Rows that finish leave the batch (their cache rows are dropped: attention KV, and the
   convolution and recurrent states of Gated DeltaNet layers in Qwen3.5's hybrid cache).
   Left padding is exact for Gated DeltaNet layers too: transformers zeroes padded inputs, so
@@ -57,6 +61,7 @@ from .protocol import (
     GenerateResult,
     SamplingParams,
     bucketize,
+    encode_routed_experts,
     memory_tags,
 )
 from .weights import copy_grouped
@@ -108,6 +113,20 @@ class _Row:
     logprobs: list[float]
     finish: str | None = None
     matched: int | str | None = None
+    experts: list[Any] | None = None  # [tokens, layers, k] blocks of routed experts, when asked for
+
+
+def moe_routers(model: Any) -> list[tuple[int, Any]]:
+    """(decoder layer index, router module) of every MoE layer of a transformers model: the
+    `layers.<i>.mlp.gate` modules with a top-k (vision blocks are `blocks.<i>`)."""
+    import re
+
+    out = []
+    for name, module in model.named_modules():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$", name)
+        if m and hasattr(module, "top_k") and hasattr(module, "num_experts"):
+            out.append((int(m.group(1)), module))
+    return out
 
 
 def _dtype(name: str) -> Any:
@@ -182,6 +201,12 @@ class EmbeddedEngine:
 
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # MoE routers by decoder layer, and what their forwards routed while capturing
+        self._routers = moe_routers(self.model)
+        self.num_layers = int(getattr(text_cfg, "num_hidden_layers", 0) or 0)
+        self._routed: dict[int, Any] | None = None
+        for layer, router in self._routers:
+            router.register_forward_hook(self._router_hook(layer))
         self.weight_version = "0"
         self.released_tags: set[str] = set()  # memory given up (colocated training)
         self.kill_switch = KillSwitch.from_env()
@@ -322,7 +347,27 @@ class EmbeddedEngine:
         g.manual_seed(int(seed) if seed is not None else random.SystemRandom().randrange(1 << 62))
         return g
 
-    def _run_batch(self, preps: list[_Prepared], params: list[SamplingParams]) -> list[_Row]:
+    # ----------------------------------------------------------------- routed experts
+    def _router_hook(self, layer: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if self._routed is not None:
+                self._routed[layer] = output[-1]  # transformers' routers: (logits, weights, indices)
+        return hook
+
+    def _take_routed(self, tokens: int) -> Any:
+        """The experts of the forward just run, [tokens, layers, k] on the host (-1 in layers
+        without a router)."""
+        import torch
+
+        k = int(self._routers[0][1].top_k)
+        out = torch.full((tokens, self.num_layers, k), -1, dtype=torch.int32)
+        for layer, idx in (self._routed or {}).items():
+            out[:, layer] = idx.reshape(tokens, k).to("cpu", torch.int32)
+        self._routed = {}
+        return out
+
+    def _run_batch(self, preps: list[_Prepared], params: list[SamplingParams],
+                   want_experts: Sequence[bool] = ()) -> list[_Row]:
         import torch
         from transformers import DynamicCache
 
@@ -351,10 +396,28 @@ class EmbeddedEngine:
         for r in rows:
             if r.params.max_new_tokens <= 0:
                 r.finish = FINISH_LENGTH
+        capture = bool(self._routers) and any(want_experts)
+        self._routed = {} if capture else None
         cache = DynamicCache(config=self.model.config)
-        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: cache})
-        logits = out.logits[:, -1]
+        try:
+            out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: cache})
+            if capture:
+                routed = self._take_routed(B * P).view(B, P, self.num_layers, -1)
+                for r, p, want in zip(rows, preps, want_experts):
+                    if want:
+                        r.experts = [routed[r.index, P - p.length:]]
+            self._decode(rows, preps, out.logits[:, -1], mask, cache, capture)
+        finally:
+            self._routed = None
+        return rows
+
+    def _decode(self, rows: list[_Row], preps: list[_Prepared], logits: Any, mask: Any, cache: Any,
+                capture: bool) -> None:
+        """Sample until every row has finished, feeding each step's tokens back."""
+        import torch
+
+        dev = self.device
         cur_pos = torch.tensor([p.next_position for p in preps], dtype=torch.long, device=dev)
         live = list(rows)
         tokens: list[int] = []
@@ -377,12 +440,16 @@ class EmbeddedEngine:
                                  logits_to_keep=1, **{self._cache_kw: cache})
                 logits = out.logits[:, -1]
                 cur_pos = cur_pos + 1
+                if capture:
+                    routed = self._take_routed(len(live))
+                    for j, r in enumerate(live):
+                        if r.experts is not None:
+                            r.experts.append(routed[j:j + 1])
             tokens, lps = self._sample(logits, live)
             for r, t, lp in zip(live, tokens, lps):
                 r.out_ids.append(t)
                 r.logprobs.append(lp)
                 self._check_finish(r)
-        return rows
 
     # ----------------------------------------------------------------- load
     def load(self) -> dict[str, int]:
@@ -434,7 +501,8 @@ class EmbeddedEngine:
                     self._count(pending=-len(chunk), running=len(chunk))
                     left -= len(chunk)
                     try:
-                        rows = self._run_batch([p for _, p in chunk], [requests[i].sampling for i, _ in chunk])
+                        rows = self._run_batch([p for _, p in chunk], [requests[i].sampling for i, _ in chunk],
+                                               [requests[i].return_routed_experts for i, _ in chunk])
                     except Exception as e:  # noqa: BLE001
                         log.exception("embedded engine batch failed")
                         for i, _ in chunk:
@@ -464,7 +532,16 @@ class EmbeddedEngine:
                 prompt_ids=prep.ids.tolist(),
                 rid=req.rid,
                 weight_version=self.weight_version,
+                routed_experts=self._encode_experts(r),
             )
+
+    @staticmethod
+    def _encode_experts(r: _Row) -> str | None:
+        if r.experts is None:
+            return None
+        import torch
+
+        return encode_routed_experts(torch.cat(r.experts).reshape(-1).tolist())
 
     def load_named_tensors(self, named_tensors: Sequence[tuple[str, Any]]) -> None:
         """Copy tensors given by HF checkpoint names into the model (under the engine lock).

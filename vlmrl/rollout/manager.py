@@ -66,6 +66,7 @@ class SampleRecord:
     engine: str = ""
     attempts: int = 1
     weight_version: str | None = None
+    routed_experts: str | None = None  # the engine's wire form (`protocol.decode_routed_experts`)
 
 
 @dataclass
@@ -148,6 +149,7 @@ class RolloutManager:
         seed: int = 0,
         progress: bool = True,
         restart_engine: Callable[[int], Awaitable[None]] | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -165,6 +167,8 @@ class RolloutManager:
         self.request_timeout_s = request_timeout_s
         self.seed = int(seed)
         self.progress = progress
+        # ask the engines for each token's experts (MoE routing replay / mismatch)
+        self.return_routed_experts = bool(return_routed_experts)
         self._inflight = [0] * len(self.engines)
         self._rr = 0
         # request ids: unique per manager (train and eval managers share engines) and run
@@ -173,7 +177,8 @@ class RolloutManager:
     @classmethod
     def from_config(cls, engines: Sequence[Engine], rollout: Any, *, n_samples: int, seed: int = 0,
                     progress: bool = True, eval_mode: bool = False,
-                    restart_engine: Callable[[int], Awaitable[None]] | None = None) -> RolloutManager:
+                    restart_engine: Callable[[int], Awaitable[None]] | None = None,
+                    return_routed_experts: bool = False) -> RolloutManager:
         """From a `RolloutConfig` section (eval: rollout.eval's temperature / n / length)."""
         max_new = rollout.max_new_tokens
         temperature = rollout.temperature
@@ -186,7 +191,7 @@ class RolloutManager:
                                   stop_token_ids=tuple(rollout.stop_token_ids))
         return cls(engines, n_samples=n_samples, sampling=sampling, max_in_flight=rollout.max_in_flight,
                    max_retries=rollout.max_retries, request_timeout_s=rollout.request_timeout_s, seed=seed,
-                   progress=progress, restart_engine=restart_engine)
+                   progress=progress, restart_engine=restart_engine, return_routed_experts=return_routed_experts)
 
     # ----------------------------------------------------------------- dispatch
     def _pick(self, exclude: set[int]) -> int:
@@ -302,6 +307,7 @@ class RolloutManager:
                         images=tuple(g.prompt.images),
                         sampling=sp,
                         rid=request_id(self.rid_prefix, step, position, index, j),
+                        return_routed_experts=self.return_routed_experts,
                     )
                     g.tasks.append(asyncio.ensure_future(run(g, j, req)))
             await asyncio.gather(*(t for g in groups for t in g.tasks), return_exceptions=True)
@@ -343,6 +349,7 @@ class RolloutManager:
                     engine=engine_name,
                     attempts=attempts,
                     weight_version=res.weight_version,
+                    routed_experts=res.routed_experts,
                 ))
         stats.per_engine = dict(per_engine)
         stats.seconds = time.perf_counter() - t0

@@ -21,6 +21,11 @@ so rollout and trainer logprobs differ only by numerics. `top_p` and `top_k` res
 reports logprobs of the temperature-scaled distribution before top-p/top-k filtering,
 which is the same contract.)
 
+Routed experts (MoE): with `return_routed_experts` the engine reports, for every token it
+ran through the model (the prompt and the output but the last sampled token, which is never
+fed back), the experts each decoder layer routed it to: SGLang's `meta_info.routed_experts`,
+the base64 of little-endian int32 [tokens - 1, layers, top-k] (`decode_routed_experts`).
+
 Outputs: `output_ids` includes the stop token when generation ended on EOS or a stop
 token id (the trainer must learn to emit it), and `text` excludes it; when a stop string
 matched, `text` is cut before the string (SGLang's default `no_stop_trim=False`) while
@@ -130,6 +135,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = True
     rid: str | None = None
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -154,6 +160,8 @@ class GenerateResult:
     prompt_ids: list[int] | None = None  # the expanded prompt (image tokens included), when known
     rid: str | None = None
     weight_version: str | None = None
+    # base64 of int32 [prompt + output - 1, layers, top-k] when asked for (see the module docstring)
+    routed_experts: str | None = None
 
     @property
     def truncated(self) -> bool:
@@ -267,7 +275,46 @@ def request_to_sglang(req: GenerateRequest, *, return_prompt_token_ids: bool = T
         body["rid"] = req.rid
     if return_prompt_token_ids:
         body["return_prompt_token_ids"] = True
+    if req.return_routed_experts:
+        body["return_routed_experts"] = True
     return body
+
+
+def encode_routed_experts(values: Iterable[int]) -> str:
+    """The wire form of routed experts: base64 of little-endian int32 (SGLang's)."""
+    import array
+    import base64
+    import sys
+
+    arr = array.array("i", values)
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return base64.b64encode(arr.tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str, *, tokens: int, layers: int, topk: int) -> list[int]:
+    """The flat int32 values of `data` (`encode_routed_experts`), checked to hold
+    [tokens - 1, layers, topk]; raises ValueError naming what is off."""
+    import array
+    import base64
+    import binascii
+    import sys
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise ValueError(f"routed_experts is not base64: {e}") from None
+    if len(raw) % 4:
+        raise ValueError(f"routed_experts holds {len(raw)} bytes, not a whole number of int32")
+    arr = array.array("i")
+    arr.frombytes(raw)
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    want = max(tokens - 1, 0) * layers * topk
+    if len(arr) != want:
+        raise ValueError(f"routed_experts holds {len(arr)} ids; {tokens} tokens x {layers} layers x top-{topk} "
+                         f"need {want} ([tokens - 1, layers, top-k])")
+    return arr.tolist()
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str, int | str | None]:
@@ -316,6 +363,7 @@ def result_from_sglang(d: dict[str, Any], *, rid: str | None = None) -> Generate
         prompt_ids=None if prompt_ids is None else [int(t) for t in prompt_ids],
         rid=meta.get("id", rid),
         weight_version=meta.get("weight_version"),
+        routed_experts=meta.get("routed_experts"),
     )
 
 
@@ -337,6 +385,8 @@ def result_to_sglang(res: GenerateResult, *, return_logprob: bool, return_prompt
     if return_logprob:
         lps = res.logprobs or []
         meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in zip(lps, res.output_ids)]
+    if res.routed_experts is not None:
+        meta["routed_experts"] = res.routed_experts
     out: dict[str, Any] = {"text": res.text, "output_ids": list(res.output_ids), "meta_info": meta}
     if return_prompt_token_ids and res.prompt_ids is not None:
         out["prompt_token_ids"] = list(res.prompt_ids)
@@ -377,6 +427,11 @@ def requests_from_sglang(body: dict[str, Any]) -> tuple[list[GenerateRequest], b
         raise EngineError("batch form: 'sampling_params' needs one entry per request", retryable=False, status=400)
     lp = body.get("return_logprob", False)
     per_lp = lp if isinstance(lp, list) else [lp] * n
+    experts = body.get("return_routed_experts", False)
+    per_experts = experts if isinstance(experts, list) else [experts] * n
+    if len(per_lp) != n or len(per_experts) != n:
+        raise EngineError("batch form: 'return_logprob' / 'return_routed_experts' need one entry per request",
+                          retryable=False, status=400)
     rid = body.get("rid")
     if isinstance(rid, list):
         per_rid = rid
@@ -403,6 +458,7 @@ def requests_from_sglang(body: dict[str, Any]) -> tuple[list[GenerateRequest], b
                 sampling=SamplingParams.from_sglang(per_sp[i]),
                 return_logprob=bool(per_lp[i]),
                 rid=per_rid[i],
+                return_routed_experts=bool(per_experts[i]),
             ))
         except (TypeError, ValueError) as e:
             raise EngineError(f"bad request {i}: {e}", retryable=False, status=400) from e

@@ -71,11 +71,15 @@ def server_args(
     flags: SGLangFlags | None = None,
     data: Any = None,
     api_key: str | None = None,
+    return_routed_experts: bool | None = None,
 ) -> dict[str, Any]:
     """ServerArgs field -> value for one engine, from the rollout / hardware / model (and
     data: the image pixel bounds) sections; `rollout.sglang.server_args` is merged last
     (verbatim, it wins; validation keeps the key's fields out of it). `api_key`, the run's
-    engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`)."""
+    engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`).
+    `return_routed_experts` (None: `rollout.return_routed_experts`; the run passes
+    `config.layout.returns_routed_experts`) starts the server able to report each token's
+    experts."""
     flags = flags or load_flags()
     sg = rollout.sglang
     args: dict[str, Any] = {
@@ -106,6 +110,10 @@ def server_args(
         args["enable_memory_saver"] = True  # needed by release/resume_memory_occupation
     if seed is not None:
         args["random_seed"] = int(seed)
+    if return_routed_experts is None:
+        return_routed_experts = bool(rollout.return_routed_experts)
+    if return_routed_experts:
+        args["enable_return_routed_experts"] = True
     if sg.deterministic_inference:  # SGLang honours a request's sampling_seed only then
         args["enable_deterministic_inference"] = True
     if data is not None and data.min_pixels is not None and data.max_pixels is not None:
@@ -393,6 +401,7 @@ async def launch_sglang_engines(
     data: Any = None,
     host: str = "127.0.0.1",
     api_key: str | None = None,
+    return_routed_experts: bool | None = None,
 ) -> SGLangEngines:
     """Start one `SGLangServerActor` per engine slot (Ray must be initialised) in the slot's
     bundle of `placement`, check that its interpreter runs an SGLang release vlmrl knows, start
@@ -430,7 +439,7 @@ async def launch_sglang_engines(
         for slot, actor in zip(slots, actors):
             args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host=host,
                                model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data,
-                               api_key=api_key)
+                               api_key=api_key, return_routed_experts=return_routed_experts)
             starts.append(actor.start.remote(args, version))
         urls = await _within(asyncio.gather(*starts), timeout, "the SGLang servers did not start")
         # wait_healthy bounds itself and quotes the server's log when it fails
@@ -498,12 +507,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}: {len(flags.fields)} fields of sglang {flags.version}")
         return 0
     from ..config import compute_layout, load
+    from ..config.layout import returns_routed_experts
 
     cfg = load(args.overrides)
     for slot in compute_layout(cfg).engines(cfg):
         a = server_args(cfg.rollout, cfg.hardware, cfg.model, port=engine_port(cfg.rollout.sglang.base_port, slot.index),
-                        data=cfg.data,
-                        colocate=cfg.cluster.colocate)
+                        data=cfg.data, colocate=cfg.cluster.colocate,
+                        return_routed_experts=returns_routed_experts(cfg))
         print(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices(slot.devices)}", " ".join(server_command(a, python="python")))
     return 0
 

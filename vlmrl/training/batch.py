@@ -31,6 +31,9 @@ class TrainSample:
     # Logprobs of the policy that generated the rollout, recomputed by the trainer before
     # the rollout's first optimizer step (PPO's "old" policy), same alignment.
     old_logprobs: list[float] | None = None
+    # The experts the engine routed each token to, [rows, layers, top-k] for the first rows
+    # (<= num_tokens) tokens: the routing replay's input (`vlmrl.models.routing`)
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.loss_mask) != len(self.input_ids):
@@ -40,6 +43,10 @@ class TrainSample:
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{len(values)} {name} for {n} loss-masked tokens")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3
+                                                or self.routed_experts.shape[0] > len(self.input_ids)):
+            raise ValueError(f"routed_experts shaped {list(self.routed_experts.shape)} for "
+                             f"{len(self.input_ids)} tokens (want [<= tokens, layers, top-k])")
 
     @property
     def num_tokens(self) -> int:
@@ -160,7 +167,8 @@ def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, sp
     pad_to = None
     if bucket:
         pad_to = graph_bucket(sum(-(-s.num_tokens // multiple) * multiple for s in samples), multiple)
-    whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw, s.prompt_len) for s, p in zip(samples, parts)],
+    whole = pack([PackSample(s.input_ids, p[1], s.image_grid_thw, s.prompt_len, s.routed_experts)
+                  for s, p in zip(samples, parts)],
                  image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
                  pad_multiple=multiple, pad_token_id=pad_token_id, pad_to=pad_to)
     total = whole.num_tokens

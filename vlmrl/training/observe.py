@@ -7,6 +7,9 @@
   stage, this gives per layer the load imbalance (largest expert load / mean load: 1 is
   perfectly even, E / top-k is everything on the top-k experts) and the fraction of routed
   token slots dropped by a capacity limit (0 without `moe_expert_capacity_factor`).
+- Routing against the rollout engine's: where a batch carries the engine's experts
+  (`vlmrl.models.routing`), the fraction of tokens each MoE layer routes to another top-k
+  set than the engine did (before any replay).
 - Forward time per mixer kind: Gated DeltaNet layers, attention layers and MoE blocks
   (wall time on CPUs, CUDA events on GPUs, read once at the end of the step). Backward is
   not split (autograd runs the layers' backward interleaved); with recompute the forward
@@ -14,7 +17,8 @@
 
 `collect()` is collective over all trainer ranks and returns the same flat metrics
 everywhere: `moe/imbalance/layer_<n>` (1-based global layer number), `moe/imbalance_max`,
-`moe/imbalance_mean`, `moe/dropped_frac`, `perf/fwd_<kind>_s`.
+`moe/imbalance_mean`, `moe/dropped_frac`, `moe/route_mismatch/layer_<n>`,
+`moe/route_mismatch_mean`, `moe/route_mismatch_max`, `perf/fwd_<kind>_s`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class StepObserver:
 
         self._counts: dict[int, torch.Tensor] = {}  # layer -> tokens per expert
         self._routed: dict[int, int] = defaultdict(int)  # layer -> token slots routed (tokens * top-k)
+        self._mismatch: dict[int, torch.Tensor] = {}  # layer -> [tokens routed unlike the engine, tokens compared]
         self._events: dict[str, list[Any]] = defaultdict(list)
         self._handles = []
         self._sinks: list[Any] = []
@@ -48,6 +53,7 @@ class StepObserver:
                     # the compiled MoE block (vlmrl.models.moe.LocalMoELayer) routes without
                     # calling the router module and reports its counts here instead
                     module.vlmrl_routing_sink = self._record_routing
+                    module.vlmrl_mismatch_sink = self._record_mismatch
                     self._sinks.append(module)
                 if isinstance(module, FusedTransformerLayer) and module.fast_path:
                     # the compiled layer runs its mixer without calling the mixer module and
@@ -80,6 +86,16 @@ class StepObserver:
         self._counts[layer] = counts if prev is None else prev + counts
         self._routed[layer] += tokens * int(router.topk)
 
+    def _record_mismatch(self, router: Any, differ: torch.Tensor, known: torch.Tensor) -> None:
+        """Tokens of `router`'s layer whose top-k set differs from the engine's, of `known`
+        tokens the engine reported (device scalars)."""
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        layer = int(getattr(router, "layer_number", 0) or 0)
+        pair = torch.stack((differ.detach(), known.detach())).to(torch.float64)
+        prev = self._mismatch.get(layer)
+        self._mismatch[layer] = pair if prev is None else prev + pair
+
     def _record_span(self, module: Any, kind: str, edge: str) -> None:
         """One edge ("start" / "stop") of a `kind` forward: from the module hooks, or from a
         compiled layer (`FusedTransformerLayer`) that runs its mixer without calling it."""
@@ -104,9 +120,12 @@ class StepObserver:
         import torch.distributed as dist
         from megatron.core import parallel_state as mps
 
-        local: dict[str, Any] = {"layers": {}, "time": {}}
+        local: dict[str, Any] = {"layers": {}, "time": {}, "mismatch": {}}
         for layer, counts in self._counts.items():
             local["layers"][layer] = (counts.cpu(), self._routed[layer])
+        for layer, pair in self._mismatch.items():
+            local["mismatch"][layer] = pair.cpu()
+        self._mismatch.clear()
         for kind, marks in self._events.items():
             local["time"][kind] = sum(_elapsed(m[1], m[2]) for m in marks if m[0] == "done")
         self._counts.clear()
@@ -134,6 +153,19 @@ class StepObserver:
                 imbalances.append(imbalance)
             kept += float(c.sum())
             dropped += routed[layer] - float(c.sum())
+        mismatch: dict[int, torch.Tensor] = {}
+        for rec in every:
+            for layer, pair in rec["mismatch"].items():
+                mismatch[layer] = pair if layer not in mismatch else mismatch[layer] + pair
+        fractions = []
+        for layer in sorted(mismatch):
+            differ, known = mismatch[layer].tolist()
+            if known > 0:
+                out[f"moe/route_mismatch/layer_{layer}"] = differ / known
+                fractions.append(differ / known)
+        if fractions:
+            out["moe/route_mismatch_mean"] = sum(fractions) / len(fractions)
+            out["moe/route_mismatch_max"] = max(fractions)
         if imbalances:
             out["moe/imbalance_max"] = max(imbalances)
             out["moe/imbalance_mean"] = sum(imbalances) / len(imbalances)
@@ -152,7 +184,7 @@ class StepObserver:
             h.remove()
         self._handles.clear()
         for module in self._sinks:
-            for name in ("vlmrl_routing_sink", "vlmrl_span_sink"):
+            for name in ("vlmrl_routing_sink", "vlmrl_mismatch_sink", "vlmrl_span_sink"):
                 if name in module.__dict__:
                     delattr(module, name)
         self._sinks.clear()

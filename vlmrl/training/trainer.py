@@ -97,13 +97,20 @@ class MegatronTrainer:
         self.info = init_parallel_state(cfg.parallel, backend=cfg.hardware.dist_backend, seed=cfg.seed)
         self.dtype = DTYPES[cfg.hardware.train_dtype]
         self.cuda_graphs = cuda_graphs_in_training(cfg)
-        overrides = {"calculate_per_token_loss": True, **dict(cfg.trainer.megatron)}
+        from ..models import routing
+
+        overrides = {"calculate_per_token_loss": True,
+                     **routing.megatron_overrides(cfg.model, precision=cfg.trainer.moe_router_precision,
+                                                  replay=cfg.algo.routing_replay != "none"),
+                     **dict(cfg.trainer.megatron)}
         build = partial(build_model, cfg.model, cfg.parallel, params_dtype=self.dtype,
                         attention_backend=cfg.hardware.lm_attention_backend,
                         vision_attn_implementation=cfg.hardware.vision_attn_implementation,
                         fused_kernels=cfg.hardware.fused_kernels, gdn_backend=cfg.hardware.gdn_backend,
                         moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff, megatron_overrides=overrides)
         chunks = build(cuda_graphs=self.cuda_graphs)
+        for c in chunks:  # the engine's experts replace the router's own (algo.routing_replay)
+            routing.configure(c, replay=cfg.algo.routing_replay != "none")
         self._check_gdn_fast_path()
         self._check_attention_backend()
         adapters.load_hf_weights(chunks, cfg.model, model_path)
