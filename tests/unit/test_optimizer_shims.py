@@ -66,3 +66,24 @@ def test_fused_adam_takes_the_steps_foreach_takes():
     for a, b in zip(*params):
         assert torch.allclose(a, b, atol=1e-6)
     assert use_fused_adam(_Wrapped(torch.optim.SGD(params[0], lr=0.1))) == 0
+
+
+def test_distributed_optimizer_places_follow_its_groups():
+    """megatron-core's DistributedOptimizer holds each group as [float32 params, float32 copies
+    of the 16-bit ones]; the places it records follow the gradient buffer's order, so in a group
+    that mixes the two they name other parameters. The fix points each parameter at its own."""
+    from types import SimpleNamespace
+
+    from vlmrl.training.trainer import fix_param_group_index_map
+
+    fp32 = [torch.zeros(32), torch.zeros(4)]  # e.g. a Gated DeltaNet's A_log and norm weight
+    half = [torch.zeros(256, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)]
+    buffer_order = [half[0], fp32[0], half[1], fp32[1]]
+    opt = SimpleNamespace(model_fp32_groups=[fp32], model_float16_groups=[half],
+                          model_param_group_index_map={p: (0, i) for i, p in enumerate(buffer_order)})
+    held = [*fp32, *(p.float() for p in half)]  # the group as the optimizer steps it
+    assert fix_param_group_index_map(SimpleNamespace(chained_optimizers=[opt, SimpleNamespace()])) == 4
+    for p in buffer_order:
+        g, order = opt.model_param_group_index_map[p]
+        assert held[order].numel() == p.numel()
+    assert fix_param_group_index_map(opt) == 0  # already right: nothing changes

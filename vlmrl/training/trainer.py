@@ -82,6 +82,33 @@ def use_fused_adam(optimizer: Any) -> int:
     return switched
 
 
+def fix_param_group_index_map(optimizer: Any) -> int:
+    """Point megatron-core's DistributedOptimizer at the right main parameter of every model
+    parameter; returns the number of parameters whose entry changed.
+
+    megatron-core 0.16 records each parameter's place in its optimizer group in the order the
+    gradient buffer holds them (`model_param_group_index_map`), then builds the group as all
+    float32 parameters first and the float32 copies of the 16-bit ones after them. Where a
+    group mixes the two, as a bf16 Qwen3.5 keeps its Gated DeltaNet decays and gated norm in
+    float32, the recorded places name other parameters. Training does not read them, but
+    saving and loading the optimizer state does: a checkpoint failed with "The size of tensor
+    a (256) must match the size of tensor b (32)" on an H200. The places are rebuilt here
+    from the groups as the optimizer holds them."""
+    changed = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        index = getattr(chained, "model_param_group_index_map", None)
+        fp32_groups = getattr(chained, "model_fp32_groups", None)
+        half_groups = getattr(chained, "model_float16_groups", None)
+        if index is None or fp32_groups is None or half_groups is None:
+            continue
+        for g, (fp32, half) in enumerate(zip(fp32_groups, half_groups)):
+            for order, param in enumerate([*fp32, *half]):
+                if index.get(param) != (g, order):
+                    index[param] = (g, order)
+                    changed += 1
+    return changed
+
+
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
@@ -312,6 +339,7 @@ class MegatronTrainer:
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=self.distributed_optimizer)
         optimizer = get_megatron_optimizer(config, self.model, use_gloo_process_groups=False)
+        fix_param_group_index_map(optimizer)
         from ..models import compat
 
         if compat.cuda_available():
