@@ -48,7 +48,8 @@ def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "
     # a gloo rank is a CPU rank (vlmrl.models.compat): on CUDA the process group is NCCL
     init_parallel_state(ParallelConfig(), backend="nccl" if device == "cuda" else "gloo", seed=0)
     model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
-    chunk = build_model(model, ParallelConfig(), params_dtype=torch.float32, fused_kernels=True)[0]
+    chunk = build_model(model, ParallelConfig(), params_dtype=torch.float32, fused_kernels=True,
+                        megatron_overrides={"moe_enable_routing_replay": True})[0]
     layer = next(m for m in chunk.modules() if isinstance(m, LocalMoELayer)).to(device).train()
     assert layer.compiled, "the miniature's MoE layers take the compiled path"
     gen = torch.Generator().manual_seed(0)
@@ -116,9 +117,27 @@ def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "
         engine_counts_match = float(seen["sink"][0] == megatron_counts)
     finally:
         layer.config.moe_router_dtype = "fp32"
-    return {"engine_precision_problem": engine_problem, "engine_precision_counts_match": engine_counts_match,
+    # the engine's experts (random, a few tokens unreported): measured and replayed alike
+    lm = model.lm
+    rows = torch.rand(tokens, lm.num_layers, lm.num_experts, generator=gen).argsort(-1)[..., :lm.moe_router_topk]
+    rows[-3:] = -1
+    reported: list[list[int]] = []
+    layer.router.vlmrl_mismatch_sink = lambda router, d, k: reported.append([int(d), int(k)])
+    layer.router.engine_rows, layer.router.replay = rows.to(device), True
+    try:
+        m16r = run(megatron, torch.bfloat16)
+        c16r = run(lambda x: layer(x)[0], torch.bfloat16)
+        replay_counts = [seen["router"], seen["sink"][0]]
+    finally:
+        layer.router.engine_rows, layer.router.replay = None, False
+    return {"replay_compiled_vs_megatron": float((c16r[0] - m16r[0]).detach().abs().max()),
+            "replay_vs_own_routing": float((m16r[0] - m16[0]).detach().abs().max()),
+            "replay_mismatch_reported": reported, "replay_counts": replay_counts,
+            "engine_precision_problem": engine_problem, "engine_precision_counts_match": engine_counts_match,
             "engine_precision_compiled_vs_megatron": float((c16e[0] - m16e[0]).detach().abs().max()),
-            "engine_precision_vs_fp32_router": float((m16e[0] - m16[0]).detach().abs().max()),"eager_fp32_vs_megatron": worst(e32, m32) if e32 is not None else None, "compiled_bf16_vs_megatron_fp32": worst(c16, m32),
+            "engine_precision_vs_fp32_router": float((m16e[0] - m16[0]).detach().abs().max()),
+            "eager_fp32_vs_megatron": worst(e32, m32) if e32 is not None else None,
+            "compiled_bf16_vs_megatron_fp32": worst(c16, m32),
             "megatron_bf16_vs_megatron_fp32": worst(m16, m32),
             "counts_match": float(seen["sink"][0] == seen["router"] and seen["sink"][1] == tokens),
             "problems": problems, "compiled_graphs": _compiled_graphs(),

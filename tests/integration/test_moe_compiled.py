@@ -55,3 +55,16 @@ def test_router_in_the_engines_precision_compiles_and_routes_as_megatron(result)
     assert result["engine_precision_problem"] is None
     assert result["engine_precision_counts_match"] == 1.0
     assert result["engine_precision_compiled_vs_megatron"] < 0.5
+
+
+def test_compiled_block_replays_and_measures_as_megatrons_router(result):
+    """With the engine's experts on the router (`vlmrl.models.routing`) the compiled block
+    routes every reported token to them, as Megatron's RouterReplay does (the same tokens per
+    expert, the same outputs up to bf16 rounding, other outputs than the layer's own routing),
+    and reports the same disagreement with the engine (tokens, of the reported ones)."""
+    megatron_counts, compiled_counts = result["replay_counts"]
+    assert compiled_counts == megatron_counts
+    assert result["replay_compiled_vs_megatron"] < 0.5
+    assert result["replay_vs_own_routing"] > 1.0
+    (m_differ, m_known), (c_differ, c_known) = result["replay_mismatch_reported"]
+    assert m_known == c_known == 48 - 3 and 0 < c_differ == m_differ <= c_known

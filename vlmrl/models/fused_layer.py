@@ -66,7 +66,8 @@ def _mlp_or_norm(h: Tensor, norm: Norm, fc1_w: Tensor | None, fc2_w: Tensor | No
     """After the mixer's residual h [T, 1, H] -> (output, normed, tokens per expert):
     with a dense SwiGLU MLP's weights, (the layer's output, None, None); with the all-local
     MoE block's arguments (`LocalMoELayer.block_args`), (the layer's output, None, the
-    block's tokens per expert [E]); with neither, (h, its pre-MLP norm, None): the MLP module
+    block's routing statistics [E + 2]: tokens per expert, then its disagreement with the
+    engine's experts); with neither, (h, its pre-MLP norm, None): the MLP module
     runs next."""
     x = _norm(h, norm)
     if moe is not None:
@@ -218,7 +219,8 @@ class FusedTransformerLayer(TransformerLayer):
         n1, n2 = self.input_layernorm, self.pre_mlp_layernorm
         norm1, norm2 = (n1.weight, n1.eps, n1.zero_centered), (n2.weight, n2.eps, n2.zero_centered)
         fc = (self.mlp.linear_fc1.weight, self.mlp.linear_fc2.weight) if self.fused_mlp else (None, None)
-        moe = self.mlp.block_args() if isinstance(self.mlp, LocalMoELayer) and self.mlp.compiles(h) else None
+        moe = (self.mlp.block_args(h.shape[0] * h.shape[1])
+               if isinstance(self.mlp, LocalMoELayer) and self.mlp.compiles(h) else None)
         self._span(self.mixer_kind, "start")
         if self.mixer_kind == "attention":
             out, x, counts = self._attention(h, p, norm1, norm2, fc, moe)

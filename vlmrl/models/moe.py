@@ -338,8 +338,11 @@ class LocalTokenDispatcher:
 
 def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: Tensor,
                 shared_fc1: Tensor | None, shared_fc2: Tensor | None, shared_gate: Tensor | None,
-                round_logits: bool = False) -> tuple[Tensor, Tensor]:
-    """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], tokens per expert [E]).
+                round_logits: bool = False, engine: Tensor | None = None,
+                replay: bool = False) -> tuple[Tensor, Tensor]:
+    """The whole all-local MoE block on normed tokens x [N, H] -> (output [N, H], routing
+    statistics [E + 2]: tokens per expert, then the tokens routed unlike the engine and the
+    tokens the engine routed, both 0 without `engine`).
 
     Megatron's maths for this configuration (see `compiled_path_problem`): router logits in
     float32 (`router_logits`; with `round_logits`, rounded to x's dtype first, as Megatron's
@@ -348,12 +351,26 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
     by expert (token order within an expert), one grouped GEMM per projection, each row's
     SwiGLU activation scaled by its weight, rows put back in token order and summed over the k choices, plus the
     shared expert's SwiGLU scaled by the sigmoid of its gate. Shapes depend on N only: no host sync.
+
+    `engine` [N, k] holds the rollout engine's experts of each token (-1: none reported;
+    `vlmrl.models.routing`): the block counts where its own top-k set differs, and with
+    `replay` routes the reported tokens to the engine's experts, weighted by the softmax of its
+    own logits at them, as Megatron's RouterReplay does.
     """
     num_experts = gate_up.shape[0]
     logits = router_logits(x, router_w)
     if round_logits:
         logits = logits.to(x.dtype).float()
     top, experts = torch.topk(logits, topk, dim=1)
+    mismatch = torch.zeros(2, dtype=torch.int32, device=x.device)
+    if engine is not None:
+        engine = engine.long()
+        known = engine[:, 0] >= 0
+        differ = (experts.sort(dim=-1).values != engine.sort(dim=-1).values).any(dim=-1) & known
+        mismatch = torch.stack((differ.sum(), known.sum())).to(torch.int32)
+        if replay:
+            experts = torch.where(known.unsqueeze(1), engine, experts)
+            top = logits.gather(1, experts)
     weights = torch.softmax(top, dim=-1, dtype=torch.float32)
     if round_logits:
         weights = weights.to(x.dtype).float()
@@ -373,7 +390,7 @@ def moe_forward(x: Tensor, router_w: Tensor, topk: int, gate_up: Tensor, down: T
         if shared_gate is not None:
             shared = shared * torch.sigmoid(F.linear(x, shared_gate))
         out = out + shared
-    return out, counts
+    return out, torch.cat((counts, mismatch))
 
 
 class LocalMoELayer(MoELayer):
@@ -396,31 +413,38 @@ class LocalMoELayer(MoELayer):
         if not (intermediate_tensors is None and padding_mask is None and self.compiles(hidden_states)):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out, counts = fused(moe_forward, self.cuda_graphs)(x, *self.block_args())
-        self.report_routing(counts, x.shape[0])
+        out, stats = fused(moe_forward, self.cuda_graphs)(x, *self.block_args(x.shape[0]))
+        self.report_routing(stats, x.shape[0])
         return out.view(hidden_states.shape), None
 
     def compiles(self, x: Tensor) -> bool:
-        """Whether a forward on activations like `x` runs the compiled block: not while the
-        router holds the engine's experts (`vlmrl.models.routing`: replay and its mismatch
-        metric run in Megatron's router)."""
-        return self.compiled and _groupable(x) and getattr(self.router, "engine_rows", None) is None
+        """Whether a forward on activations like `x` runs the compiled block."""
+        return self.compiled and _groupable(x)
 
-    def block_args(self) -> tuple[Any, ...]:
-        """`moe_forward`'s arguments after the tokens: the router, the experts and the shared
-        expert's weights (None where the layer has no shared expert or no gate)."""
+    def block_args(self, num_tokens: int) -> tuple[Any, ...]:
+        """`moe_forward`'s arguments after the `num_tokens` tokens: the router, the experts and
+        the shared expert's weights (None where the layer has no shared expert or no gate), the
+        router's precision, and the engine's experts of those tokens with the replay switch
+        (`vlmrl.models.routing.EngineRoutedRouter`)."""
         shared = self.shared_experts
+        rows = self.router._rows(num_tokens) if hasattr(self.router, "_rows") else None
         return (self.router.weight, self.router.topk, self.experts.gate_up_proj, self.experts.down_proj,
                 shared.linear_fc1.weight if shared is not None else None,
                 shared.linear_fc2.weight if shared is not None else None,
                 shared.gate_weight if shared is not None and shared.use_shared_expert_gate else None,
-                self.config.moe_router_dtype is None)
+                self.config.moe_router_dtype is None, rows, bool(getattr(self.router, "replay", False)))
 
-    def report_routing(self, counts: Tensor, tokens: int) -> None:
-        """Hand the compiled block's tokens per expert to the router's observer, if one is set."""
+    def report_routing(self, stats: Tensor, tokens: int) -> None:
+        """Hand the compiled block's tokens per expert, and where the engine's experts came with
+        the tokens its disagreement with them, to the router's observer, if one is set."""
+        counts, mismatch = stats[:-2], stats[-2:]
         sink = getattr(self.router, "vlmrl_routing_sink", None)
         if sink is not None:
             sink(self.router, counts, tokens)
+        if getattr(self.router, "engine_rows", None) is not None:
+            report = getattr(self.router, "_report", None)
+            if report is not None:
+                report(mismatch[0], mismatch[1])
 
 
 def _groupable(x: Tensor) -> bool:

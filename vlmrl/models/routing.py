@@ -17,6 +17,9 @@ TopKRouter given to every MoE layer, then
   the trainer's own logits (softmax over the chosen ones), so the router keeps its gradient.
   Tokens the engine did not route keep the trainer's own choice.
 
+The compiled MoE block (`vlmrl.models.moe.moe_forward`, `hardware.fused_kernels`) does both
+itself, inside its graph, from the same rows (`LocalMoELayer.block_args`).
+
 Rows are this model chunk's tokens in packed order (a context-parallel rank's zigzag share);
 under sequence parallelism each tensor-parallel rank routes a contiguous slice of them, which
 the router cuts itself. Expert ids are global, so expert parallelism needs nothing more. A
