@@ -2,7 +2,9 @@
 
 One check = one HF model of the configured architecture (random weights, or a local
 checkpoint's), one packed batch of samples with images of different grids, one sample with
-two images, and a text-only sample, and one forward + backward pass of a simple loss (mean next-token cross entropy
+two images, a text-only sample and, for Gated DeltaNet models, a text sample of 520 tokens
+trained at its end (half of the heads decaying slowly enough that its start still counts
+there), and one forward + backward pass of a simple loss (mean next-token cross entropy
 over the loss-masked tokens):
 
 - HF reference: the family's `*ForConditionalGeneration`, one sample at a time, fp32
@@ -47,6 +49,11 @@ from typing import Any
 
 from .config.schema import ModelConfig, ParallelConfig
 
+# a long sample crosses many Gated DeltaNet chunks (64 tokens), and its decays are slow
+# enough (`make_hf_model`) that the state carried from its start still moves its last logits
+LONG_SAMPLE = 520
+SLOW_DECAY = (1e-3, 1e-2)  # exp(A_log) of half of the Gated DeltaNet heads
+
 # bounds (fp32, CPU)
 LOGITS_VS_HF = 1e-4
 LOGITS_VS_SINGLE = 1e-5
@@ -85,10 +92,13 @@ class RunResult:
 
 def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (1, 6, 4)),
                text_only: int = 1,
-               multi_image: tuple[tuple[int, int, int], ...] = ((1, 4, 6), (1, 4, 4))) -> ParityBatch:
+               multi_image: tuple[tuple[int, int, int], ...] = ((1, 4, 6), (1, 4, 4)),
+               long_text: int | None = None) -> ParityBatch:
     """Samples with one image each (grids given), one sample holding every image of
     `multi_image` with text between them (M-RoPE positions resume after each image), plus
-    `text_only` samples without images."""
+    `text_only` samples without images, and one text sample of `long_text` tokens (None:
+    `LONG_SAMPLE` for models with Gated DeltaNet layers, whose kernels work in chunks of 64
+    tokens and carry a state across them; 0: none)."""
     import torch
 
     from .models.packing import PackSample
@@ -121,6 +131,13 @@ def make_batch(model: ModelConfig, *, seed: int = 0, grids: tuple[tuple[int, int
     for k in range(text_only):
         ids = text(7 + k)
         samples.append(PackSample(torch.tensor(ids), torch.ones(len(ids)), None))
+    if long_text is None:
+        long_text = LONG_SAMPLE if "linear_attention" in lm.layer_types else 0
+    if long_text:
+        ids = text(long_text)
+        mask = torch.zeros(long_text)
+        mask[-16:] = 1.0  # trained at the far end, where the carried state decides
+        samples.append(PackSample(torch.tensor(ids), mask, None))
     grids = (*grids, *multi_image)  # in the order of the samples' images
     patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
     n_patches = sum(t * h * w for t, h, w in grids)
@@ -184,6 +201,12 @@ def make_hf_model(model: ModelConfig, *, seed: int = 0, weights: str | None = No
         for p in net.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        # HF's A_log starts at log U(0, 16): decays that forget a state within tens of tokens,
+        # so a wrongly carried state would barely show. Every other head decays slowly instead.
+        for name, p in net.named_parameters():
+            if name.endswith("linear_attn.A_log") and not weights:
+                lo, hi = SLOW_DECAY
+                p[::2] = torch.empty_like(p[::2]).uniform_(lo, hi).log()
     return net
 
 

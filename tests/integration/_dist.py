@@ -322,3 +322,44 @@ def replay_trainer_worker(rank: int, world_size: int, model_cfg: Any, path: str,
         out[f"misses_replay={replay}"] = sum(misses)
         out[f"observed_replay={replay}"] = observer.collect()
     return out
+
+
+def near_tie_router_worker(rank: int, world_size: int, tokens: int) -> dict[str, Any]:
+    """The Qwen3.5-MoE miniature's first router in bf16, fed tokens whose logits tie once
+    rounded to bf16 for many of them, under each `trainer.moe_router_precision`, against
+    transformers' router of the family (the embedded engine's, which rounds its logits to bf16
+    as SGLang does): per precision the tokens whose top-k set differs from transformers'."""
+    import torch
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+
+    from vlmrl.config import load
+    from vlmrl.config.schema import ParallelConfig
+    from vlmrl.models import routing
+    from vlmrl.models.bridge import build_model
+    from vlmrl.models.families import get as family
+    from vlmrl.training.parallel_state import init_parallel_state
+
+    init_parallel_state(ParallelConfig(), backend="gloo", seed=0)
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    lm = model.lm
+    gen = torch.Generator().manual_seed(3)
+    # coarse weights and inputs: logits on a grid fine enough for float32, too fine for bf16
+    w = (torch.randint(-8, 9, (lm.num_experts, lm.hidden_size), generator=gen) / 64).to(torch.bfloat16)
+    x = (torch.randn(tokens, lm.hidden_size, generator=gen) * 0.25).to(torch.bfloat16)
+    exact = torch.topk(x.float() @ w.float().t(), lm.moe_router_topk, dim=1).indices
+    rounded = torch.topk((x.float() @ w.float().t()).to(torch.bfloat16).float(), lm.moe_router_topk, dim=1).indices
+    out: dict[str, Any] = {"near_ties": int(routing.topk_sets_differ(exact, rounded).sum())}
+    hf = Qwen3_5MoeTopKRouter(family(model.family).hf_config(model).text_config).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        hf_experts = hf(x)[2]
+    for precision in ("fp32", "engine"):
+        overrides = routing.megatron_overrides(model, precision=precision, replay=False)
+        chunk = build_model(model, ParallelConfig(), params_dtype=torch.bfloat16, megatron_overrides=overrides)[0]
+        router = routing.routers(chunk)[0]
+        with torch.no_grad():
+            router.weight.copy_(w)
+            _, routing_map = router(x.unsqueeze(1))
+        chosen = routing_map.int().topk(lm.moe_router_topk, dim=1).indices
+        out[precision] = int(routing.topk_sets_differ(chosen, hf_experts).sum())
+    return out

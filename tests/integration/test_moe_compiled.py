@@ -6,7 +6,9 @@ router, experts, shared expert and its gate) agree to 1e-5 of their scale. bf16 
 Inductor, the CPU backend here; tests/gpu runs it on CUDA): its worst difference from the
 float32 reference may not exceed 1.5x Megatron's own bf16 difference plus 1e-2, i.e. it
 rounds like a bf16 forward, not like a different computation (a wrong routing or a missed
-weight is O(1)). The routing counts reported to the step observer equal the router's.
+weight is O(1)). The routing counts reported to the step observer equal the router's. The
+router's precision (`trainer.moe_router_precision`) and routing replay hold on both paths, and
+the router in the engines' precision breaks bf16 near-ties as transformers' router does.
 """
 
 from __future__ import annotations
@@ -68,3 +70,16 @@ def test_compiled_block_replays_and_measures_as_megatrons_router(result):
     assert result["replay_vs_own_routing"] > 1.0
     (m_differ, m_known), (c_differ, c_known) = result["replay_mismatch_reported"]
     assert m_known == c_known == 48 - 3 and 0 < c_differ == m_differ <= c_known
+
+
+def test_router_in_the_engines_precision_breaks_bf16_near_ties_as_transformers():
+    """Tokens whose top-k set changes when their logits are rounded to bf16 (a near-tie): the
+    float32 router (Megatron's default) picks the exact order there and so other experts than
+    transformers' bf16 router, the engine's; `trainer.moe_router_precision=engine` picks what
+    transformers picks on every token."""
+    from _dist import near_tie_router_worker
+
+    res = run_in_processes(near_tie_router_worker, 1, 8192, timeout_s=300)[0]
+    assert res["near_ties"] > 0
+    assert res["fp32"] == res["near_ties"]
+    assert res["engine"] == 0

@@ -3,7 +3,8 @@ every parallel layout vs one process (CPU, gloo, fp32): the acceptance gate of t
 
 One pair of gloo processes per model runs the HF reference (one sample at a time:
 transformers' Gated DeltaNet ignores packing), the single-process Megatron model (which
-also runs each sample alone, the state-leak check) and the layouts. The MoE miniature runs
+also runs each sample alone, the state-leak check) and the layouts, on a batch with images,
+two images in one sample, and a 520-token sample whose slow decays carry its start to its end. The MoE miniature runs
 under tensor parallelism with sequence parallelism (validation requires it: each TP rank
 routes its own tokens). The parity CLI is run as a user would, on a tiny checkpoint
 directory, and refuses a layout the model cannot take before starting any process.
@@ -87,6 +88,26 @@ def test_routing_replay_routes_by_the_engine_in_every_layout(replay_results):
         name = layout if layout == "single" else parity.layout_name(MOE_LAYOUTS[layout])
         assert replay_results[name].replay_misses == 0
         assert f"routing {name} vs engine (tokens)" in names
+
+
+def test_the_long_sample_carries_its_start_to_its_end():
+    """The parity batch's long sample (520 tokens, over eight Gated DeltaNet chunks) with the
+    parity model's slow decays: changing its first 8 tokens moves the logits of its last
+    token, where it is trained, far beyond the parity bounds, so a state lost or mangled
+    across chunks or samples could not pass them."""
+    import torch
+
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    net = parity.make_hf_model(model)
+    batch = parity.make_batch(model)
+    long = batch.samples[-1]
+    assert len(long.input_ids) == parity.LONG_SAMPLE and float(long.loss_mask[-1]) == 1.0
+    ids = torch.as_tensor(long.input_ids)[None]
+    other = ids.clone()
+    other[0, :8] = torch.flip(ids[0, :8], [0]) + 1
+    with torch.no_grad():
+        moved = float((net(input_ids=ids).logits[0, -1] - net(input_ids=other).logits[0, -1]).abs().max())
+    assert moved > 100 * parity.LOGITS_VS_HF, moved
 
 
 @pytest.mark.parametrize("layout", list(DENSE_LAYOUTS))
