@@ -1,7 +1,7 @@
 """A checkpoint of the trainer as it runs on GPUs: the bf16 Qwen3.5-MoE miniature (its Gated
 DeltaNet decays and gated norm kept in float32) under Megatron's DistributedOptimizer (NCCL),
 saved after a step and loaded into a fresh trainer, which then holds the same weights and
-Adam moments and takes the same next step."""
+Adam moments and takes the same next step. The float32 parameters move in that step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,10 @@ def _worker(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
     samples = _sft_samples(cfg, path)
     first = MegatronTrainer(cfg, path)
     assert first.distributed_optimizer
+    fp32 = {n: p.detach().clone() for c in first.chunks for n, p in c.named_parameters() if p.dtype == torch.float32}
     first.sft_step(samples)
+    moved = {n: float((p.detach() - fp32[n]).abs().max()) for c in first.chunks for n, p in c.named_parameters()
+             if n in fp32}
     save_checkpoint(first, ckpt)
     saved = _state(first)
     next_loss = first.sft_step(samples)["loss"]
@@ -43,7 +47,7 @@ def _worker(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
     loaded = _state(second)
     return {"params": max(float((a - b).abs().max()) for a, b in zip(saved["params"], loaded["params"])),
             "moments": max(float((a - b).abs().max()) for a, b in zip(saved["moments"], loaded["moments"])),
-            "n_moments": len(loaded["moments"]), "next_loss": next_loss,
+            "n_moments": len(loaded["moments"]), "next_loss": next_loss, "fp32_moved": moved,
             "next_loss_loaded": second.sft_step(samples)["loss"]}
 
 
@@ -59,5 +63,9 @@ def test_distributed_optimizer_checkpoint_round_trip(tiny_moe_config, tiny_moe_c
                       timeout_s=600)[0]
     print(res)
     assert res["n_moments"] > 0
+    # the float32 parameters of the bf16 model (Gated DeltaNet decays, its gated norm) take
+    # part in the distributed optimizer's step
+    moved = res["fp32_moved"]
+    assert any(n.endswith("A_log") for n in moved) and all(v > 0 for v in moved.values()), moved
     assert res["params"] == 0.0 and res["moments"] == 0.0
     assert res["next_loss_loaded"] == pytest.approx(res["next_loss"], rel=1e-3)
