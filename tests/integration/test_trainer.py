@@ -241,3 +241,44 @@ def _base_weights(path: str) -> dict:
 
     src = SafetensorsDir(path, "qwen3_5_moe")
     return {k: src[k] for k in list(src)[:20]}
+
+
+def _grpo_step_gain(rank: int, world: int, cfg, path: str) -> dict:
+    """One GRPO step (PPO loss, on-policy) on replies of both advantage signs after the same
+    prompts; per sample its advantage and the mean change of its reply's logprobs."""
+    import dataclasses
+    import random
+
+    from vlmrl.training.trainer import MegatronTrainer
+
+    optim = dataclasses.replace(cfg.trainer.optim, lr=1e-5, weight_decay=0.0)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, optim=optim))
+    trainer = MegatronTrainer(cfg, path)
+    rng = random.Random(0)
+    low = max(cfg.model.image_token_id, cfg.model.vision_end_token_id or 0) + 16  # ordinary text ids
+    samples = []
+    for s in _sft_samples(cfg, path):
+        prompt = s.input_ids[:s.prompt_len]
+        for k in range(4):
+            reply = [rng.randrange(low, cfg.model.lm.vocab_size) for _ in range(6 + k)]
+            samples.append(dataclasses.replace(
+                s, input_ids=prompt + reply, loss_mask=[0.0] * len(prompt) + [1.0] * len(reply),
+                advantage=1.0 if k % 2 == 0 else -1.0))
+    before = trainer.logprobs(samples)
+    trainer.train_step(samples)
+    after = trainer.logprobs(samples)
+    return {"advantages": [s.advantage for s in samples],
+            "moved": [float((b - a).mean()) for a, b in zip(before, after)]}
+
+
+def test_a_small_grpo_step_raises_the_reward_it_was_computed_on(family_checkpoint):
+    """On-policy, a small step of the GRPO loss must move probability towards the replies with
+    positive advantage and away from the others: sum_i A_i * (mean change of log pi(reply_i))
+    is positive, and so is each reply's change times its advantage's sign, for each family. A
+    sign or a normaliser wrong in the loss, the logprobs or the gradient would fail it."""
+    cfg, path = family_checkpoint
+    res = spawn_local(_grpo_step_gain, 1, cfg, path)[0]
+    gain = sum(a * m for a, m in zip(res["advantages"], res["moved"]))
+    print(cfg.model.family, "gain", gain, res["moved"])
+    assert gain > 0
+    assert all(a * m > 0 for a, m in zip(res["advantages"], res["moved"])), res
