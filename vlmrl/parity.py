@@ -642,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     from .config.validate import check
 
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in overrides):  # Hydra overrides only: the module's guide
+        print(__doc__.strip())
+        return 0
     cfg = vconfig.load(overrides, check_rules=False)
     model, parallel = cfg.model, cfg.parallel
     weights = None

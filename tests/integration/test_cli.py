@@ -146,3 +146,12 @@ def test_launch_script_forwards_overrides(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "name: external" in res.stdout and "address: 10.0.0.1:6379" in res.stdout
     assert "pkill" not in (ROOT / "launch" / "geo3k_qwen35.sh").read_text()
+
+
+def test_parity_help_prints_its_guide():
+    """`python -m vlmrl.parity --help` prints how to use it (not a Hydra traceback) and starts
+    nothing."""
+    out = subprocess.run([sys.executable, "-m", "vlmrl.parity", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "python -m vlmrl.parity model=tiny_qwen3_5_moe" in out.stdout and "Traceback" not in out.stderr

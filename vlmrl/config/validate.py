@@ -341,6 +341,10 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
 
     # --- batch arithmetic
     gbs = cfg.trainer.global_batch_size
+    if a.name == "grpo" and r.temperature <= 0:
+        fail("rollout-temperature", f"rollout.temperature={r.temperature} samples greedily: every reply of a "
+             "prompt's group is the same, so every advantage is 0 and GRPO learns nothing (greedy decoding is "
+             "for evaluation: rollout.eval.temperature=0)")
     if a.name == "grpo":
         if a.n_samples_per_prompt < 2:
             fail("grpo-group", f"algo.n_samples_per_prompt={a.n_samples_per_prompt}: GRPO normalises "
