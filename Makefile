@@ -12,7 +12,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6"
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help setup train test test-all lint bench plan sglang-contract clean
+.PHONY: help setup train test test-all check-wheel lint bench plan sglang-contract clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -44,6 +44,21 @@ test: bytecode ## the CPU test suite (GPU tests skip without CUDA, slow ones are
 
 test-all: bytecode ## every test, slow ones included
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the wheel, installed outside the checkout with only what the dry-run path imports (Hydra,
+# OmegaConf): its configs must compose from the package alone
+WHEEL_CHECK ?= /tmp/vlmrl-wheel-check
+check-wheel: setup ## build the wheel, install it in a fresh venv outside the checkout, compose configs there
+	@rm -rf $(WHEEL_CHECK) && mkdir -p $(WHEEL_CHECK)
+	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist . && rm -rf build
+	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
+	$(WHEEL_CHECK)/venv/bin/pip install -q "hydra-core>=1.3.2,<1.4" "omegaconf>=2.3,<2.4"
+	$(WHEEL_CHECK)/venv/bin/pip install -q --no-deps $(WHEEL_CHECK)/dist/vlmrl-*.whl
+	cd $(WHEEL_CHECK) && venv/bin/vlmrl-train --cfg job experiment=geo3k_qwen35 parallel.tp=4 hardware=b200 \
+		| grep -q "name: qwen3_5_35b_a3b"
+	cd $(WHEEL_CHECK) && venv/bin/vlmrl-train -m reward=math,geo3k_tol05,geo3k_strict dry_run=true \
+		| grep -c "# dry run: valid" | grep -qx 3
+	@echo "check-wheel: the installed wheel composes its configs outside the checkout"
 
 lint: setup ## ruff
 	$(VENV)/bin/ruff check vlmrl tests

@@ -14,7 +14,9 @@ from .schema import GROUPS, VlmrlConfig
 from .store import register_configs, to_dataclass
 from .validate import ConfigError, Violation, check, config_notes, validate
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# the Hydra tree: `conf/` at the top of the repository, reached through the package's `conf`
+# link in a checkout; a built wheel carries the tree itself there
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 __all__ = [
     "CONF_DIR",
