@@ -12,6 +12,7 @@ torch or megatron. Modules:
   (packed convolution and chunked recurrence in torch; fla kernels on GPUs, checked first)
 - `short_conv`: the Gated DeltaNet's packed short convolution as Triton kernels (GPUs)
 - `moe`: routed experts in HF's fused shapes for Megatron's MoELayer (grouped GEMM on GPUs)
+- `routing`: the router told the rollout engine's experts (routing replay, mismatch metric)
 - `grads`: gradient reductions beyond Megatron's (TP sums of head-shared weights)
 - `mrope`: M-RoPE cos/sin tables and rotation (pure)
 - `packing`: THD packing of samples, per-sample M-RoPE positions, the CP zigzag split (pure)
