@@ -87,8 +87,40 @@ def test_compiled_block_maths_equals_the_definition_and_scatters_nothing():
     sg, su = F.linear(x, fc1).chunk(2, dim=-1)
     ref = ref + F.linear(F.silu(sg) * su, fc2) * torch.sigmoid(F.linear(x, gate))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    assert counts.tolist() == torch.bincount(chosen.reshape(-1), minlength=e).tolist()
+    assert counts[:-2].tolist() == torch.bincount(chosen.reshape(-1), minlength=e).tolist()
+    assert counts[-2:].tolist() == [0, 0]  # no engine experts given: nothing compared
     for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), leaves)):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_compiled_block_measures_and_replays_the_engines_experts(replay):
+    """`moe_forward` given the engine's experts (some tokens unreported, -1): it counts the
+    reported tokens whose own top-k set differs, and with `replay` computes the per-token
+    definition with the engine's experts, weighted by the softmax of its own logits at them
+    (tokens the engine did not report keep their own experts); without, its own routing."""
+    from vlmrl.models.moe import moe_forward
+
+    torch.manual_seed(1)
+    n, h, e, k, ffn = 29, 16, 6, 2, 8
+    x = torch.randn(n, h, requires_grad=True)
+    router = (torch.randn(e, h) / h ** 0.5).requires_grad_()
+    gate_up = (torch.randn(e, 2 * ffn, h) / h ** 0.5).requires_grad_()
+    down = (torch.randn(e, h, ffn) / ffn ** 0.5).requires_grad_()
+    engine = torch.rand(n, e).argsort(-1)[:, :k]
+    engine[-4:] = -1
+    out, stats = moe_forward(x, router, k, gate_up, down, None, None, None, False, engine, replay)
+    logits = x @ router.T
+    own = logits.topk(k, dim=1).indices
+    known = engine[:, 0] >= 0
+    differ = ((own.sort(-1).values != engine.sort(-1).values).any(-1) & known).sum()
+    assert stats[-2:].tolist() == [int(differ), int(known.sum())] and int(differ) > 0
+    chosen = torch.where(known[:, None], engine, own) if replay else own
+    ref = _reference(x, chosen, logits.gather(1, chosen).softmax(-1), gate_up, down)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert stats[:-2].tolist() == torch.bincount(chosen.reshape(-1), minlength=e).tolist()
+    leaves = (x, router, gate_up, down)
+    for g, r in zip(torch.autograd.grad(out.square().sum(), leaves), torch.autograd.grad(ref.square().sum(), leaves)):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
