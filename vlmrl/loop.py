@@ -198,7 +198,7 @@ class Loop:
         # colocated: who holds the GPUs' memory in each phase (None when nothing is shared)
         self.colo: Any = None
         self.last_sync_bytes = 0  # bytes the last weight sync sent each engine
-        self._measured: dict[str, float] = {}  # this step's phase peaks (bytes), on GPUs
+        self._measured: dict[str, dict[str, float]] = {}  # this step's phase peaks (bytes: total, trainer, others)
         self.memory_problems: list[str] = []  # the first differences from the plan's estimate
 
     # ------------------------------------------------------------ components
@@ -431,26 +431,37 @@ class Loop:
         metrics and compared with the plan's estimate (`vlmrl.config.memory`)."""
         if self.cfg.hardware.device != "cuda":
             return
-        from .config.memory import measured_phase_peak
+        from .config.memory import measured_phase_split
 
-        self._measured[phase] = max(measured_phase_peak(m) for m in self.trainer.memory_stats())
+        self._measured[phase] = max((measured_phase_split(m) for m in self.trainer.memory_stats()),
+                                    key=lambda m: m["total"])
 
     def _check_phase_memory(self) -> dict[str, float]:
         """The step's measured phase peaks (GiB) beside the plan's, and the plan's problems
         (printed the first time they appear, kept for summary.json)."""
-        from .config.memory import GIB, compare_phase_memory, phase_estimates
+        from .config.memory import GIB, compare_phase_memory, phase_estimate_split
 
         measured, self._measured = self._measured, {}
         if not measured:
             return {}
-        plan = phase_estimates(self.cfg)
-        out = {f"memory/{k}_gib": v / GIB for k, v in measured.items()}
-        out.update({f"memory/{k}_plan_gib": plan[k] / GIB for k in measured if k in plan})
-        problems = compare_phase_memory(plan, measured)
+        plan = phase_estimate_split(self.cfg)
+        out: dict[str, float] = {}
+        for k, m in measured.items():  # the whole GPU, then the trainer's part and the rest
+            out.update({f"memory/{k}_gib": m["total"] / GIB, f"memory/{k}_trainer_gib": m["trainer"] / GIB,
+                        f"memory/{k}_others_gib": m["others"] / GIB})
+            if k in plan:
+                out.update({f"memory/{k}_plan_gib": plan[k]["total"] / GIB,
+                            f"memory/{k}_plan_trainer_gib": plan[k]["trainer"] / GIB,
+                            f"memory/{k}_plan_others_gib": plan[k]["others"] / GIB})
+        problems = compare_phase_memory({k: v["total"] for k, v in plan.items()},
+                                        {k: m["total"] for k, m in measured.items()})
         out["memory/plan_problems"] = float(len(problems))
         if problems and not self.memory_problems:
+            split = "; ".join(f"{k}: trainer {m['trainer'] / GIB:.1f} GiB (plan {plan[k]['trainer'] / GIB:.1f}), "
+                              f"others {m['others'] / GIB:.1f} GiB (plan {plan[k]['others'] / GIB:.1f})"
+                              for k, m in measured.items() if k in plan)
             print("note: measured memory differs from the plan (python -m vlmrl.plan) by more than 10%: "
-                  + "; ".join(problems))
+                  + "; ".join(problems) + f" [{split}]")
         self.memory_problems = self.memory_problems or problems
         return out
 

@@ -20,6 +20,8 @@ def _apply(now: Residency, steps) -> Residency:
         elif kind == "offload":
             assert now.trainer
             now = Residency(now.engine, False)
+        elif kind == "trim":
+            assert now.trainer
         else:
             assert not now.trainer
             now = Residency(now.engine, True)
@@ -34,9 +36,12 @@ def test_every_transition_reaches_its_phase_and_frees_before_it_takes(offload):
         steps = plan(now, target)
         assert _apply(now, steps) == target
         kinds = [k for k, _ in steps]
-        frees = [i for i, k in enumerate(kinds) if k in ("release", "offload")]
+        frees = [i for i, k in enumerate(kinds) if k in ("release", "offload", "trim")]
         takes = [i for i, k in enumerate(kinds) if k in ("resume", "onload")]
         assert not frees or not takes or max(frees) < min(takes), (a, b, steps)
+        # engines never take memory beside a trainer that kept its cached blocks
+        stays = now.trainer and target.trainer
+        assert ("trim" in kinds) == bool(stays and target.engine - now.engine), (a, b, steps)
         if a == b:
             assert steps == []
 
@@ -45,12 +50,13 @@ def test_the_step_s_moves():
     """A colocated step with offload: rollout -> train -> sync -> next rollout."""
     gen, train, sync = (phase(n, offload=True) for n in ("generate", "train", "sync"))
     assert plan(gen, train) == [("release", ("kv_cache", "weights", "cuda_graph")), ("onload", ())]
-    assert plan(train, sync) == [("resume", ("weights",))]
+    # the trainer stays: its cached activations go back to the device before the weights return
+    assert plan(train, sync) == [("trim", ()), ("resume", ("weights",))]
     # the trainer leaves before the KV cache and graphs come back, weights stay put
     assert plan(sync, gen) == [("offload", ()), ("resume", ("cuda_graph", "kv_cache"))]
     # without offload the trainer stays; the engine's moves are the same
     gen, sync = phase("generate", offload=False), phase("sync", offload=False)
-    assert plan(sync, gen) == [("resume", ("cuda_graph", "kv_cache"))]
+    assert plan(sync, gen) == [("trim", ()), ("resume", ("cuda_graph", "kv_cache"))]
 
 
 def test_colocation_calls_in_order_and_starts_without_a_trainer():
@@ -64,6 +70,10 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
         def onload(self):
             calls.append(("onload",))
             return {"bytes": 10}
+
+        def trim(self):
+            calls.append(("trim",))
+            return {"device_freed_bytes": 5}
 
     colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),
                       offload=True)
@@ -80,8 +90,14 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
     calls.clear()
     colo.to("sync")
     assert calls == [("release", ("kv_cache", "cuda_graph")), ("onload",)]
-    assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0}
-    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload"} and colo.take_seconds() == {}
+    calls.clear()
+    colo.to("train")
+    colo.to("sync")  # the trainer stays: it trims before the engines' weights come back
+    assert calls == [("release", ("weights",)), ("trim",), ("resume", ("weights",))]
+    assert colo.now == phase("sync", offload=True)
+    assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0, "trim": 0.0}
+    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload", "trim"}
+    assert colo.take_seconds() == {}
     with pytest.raises(ValueError, match="unknown phase"):
         colo.to("evaluate")
 
@@ -97,6 +113,9 @@ def test_generating_from_released_weights_is_refused_until_a_sync():
             return {}
 
         def onload(self):
+            return {}
+
+        def trim(self):
             return {}
 
     colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),

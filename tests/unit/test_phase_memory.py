@@ -18,8 +18,10 @@ from vlmrl.config.memory import (
     count_params,
     engine_weight_bytes,
     measured_phase_peak,
+    measured_phase_split,
     offload_config_problems,
     offload_host_bytes,
+    phase_estimate_split,
     phase_estimates,
     phase_memory,
     trainer_offload,
@@ -139,6 +141,28 @@ def test_compare_phase_memory():
 def test_measured_phase_peak_puts_the_trainers_peak_back():
     stats = {"device_used": 100.0, "reserved": 30.0, "peak_reserved": 45.0, "allocated": 1.0}
     assert measured_phase_peak(stats) == 115.0
+
+
+def test_measured_phase_split_by_holder():
+    """An offloaded trainer's regions stay reserved with no memory behind them: its part is its
+    peak less them, and the rest of the GPU (the engine) is what it does not hold."""
+    stats = {"device_used": 100.0, "reserved": 70.0, "peak_reserved": 75.0, "offloaded": 60.0}
+    split = measured_phase_split(stats)
+    assert split == {"total": 105.0, "trainer": 15.0, "others": 90.0}
+    assert split["total"] == measured_phase_peak(stats)
+    assert measured_phase_split({**stats, "offloaded": 0.0})["trainer"] == 75.0
+
+
+def test_phase_estimate_split_sums_to_the_phase_totals():
+    cfg = _cfg(*REFERENCE)
+    split = phase_estimate_split(cfg)
+    totals = phase_estimates(cfg)
+    assert set(split) == set(totals)
+    for name, parts in split.items():
+        assert parts["trainer"] + parts["others"] == pytest.approx(totals[name])
+    # generating: the engine holds mem_fraction_static of the GPU; the offloaded trainer little
+    assert split["rollout"]["others"] > 0.7 * cfg.hardware.gpu_memory_gb * GIB > split["rollout"]["trainer"]
+    assert split["train"]["others"] < split["train"]["trainer"]
 
 
 def test_offload_rules():

@@ -11,8 +11,9 @@ A colocated step moves through phases, each with its own tenants:
               buffers are gone
 
 `plan(now, target)` is the pure part: the calls that move from one residency to another, the
-ones that free memory first (engine releases, the trainer's offload), then the ones that take
-it (the trainer's onload, engine resumes). `Colocation` carries them out on the engines and the
+ones that free memory first (engine releases, the trainer's offload, and a trim: the trainer
+gives torch's cached free blocks back to the device where it stays while engines take memory),
+then the ones that take it (the trainer's onload, engine resumes). `Colocation` carries them out on the engines and the
 trainer group and keeps the current residency. Without colocation nothing moves.
 
 Released weights are not kept (SGLang frees them without a copy): from a release of the
@@ -60,17 +61,21 @@ def phase(name: str, *, offload: bool) -> Residency:
 
 def plan(now: Residency, target: Residency) -> list[tuple[str, tuple[str, ...]]]:
     """The calls from `now` to `target`, in order: ("release", tags), ("offload", ()),
-    ("onload", ()), ("resume", tags). Everything that frees memory comes before anything that
-    takes it."""
+    ("trim", ()), ("onload", ()), ("resume", tags). Everything that frees memory comes before
+    anything that takes it. A trim comes where the trainer stays on the GPU and engines take
+    memory back (train -> sync; train -> generate without offload): what torch caches of the
+    trainer's freed activations would otherwise sit beside the engines' weights and KV cache."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     release = now.engine - target.engine
+    resume = target.engine - now.engine
     if release:
         steps.append(("release", tuple(t for t in MEMORY_TAGS if t in release)))
     if now.trainer and not target.trainer:
         steps.append(("offload", ()))
+    if now.trainer and target.trainer and resume:
+        steps.append(("trim", ()))
     if target.trainer and not now.trainer:
         steps.append(("onload", ()))
-    resume = target.engine - now.engine
     if resume:
         steps.append(("resume", tuple(t for t in RESUME_ORDER if t in resume)))
     return steps
@@ -79,8 +84,10 @@ def plan(now: Residency, target: Residency) -> list[tuple[str, tuple[str, ...]]]
 @dataclass
 class Colocation:
     """Carries out `plan` on the engines (`release(tags)` / `resume(tags)`, callables that
-    reach every engine) and the trainer group (`offload()` / `onload()`), and times each kind
-    of move (`seconds`, reset by `take_seconds`)."""
+    reach every engine) and the trainer group (`offload()` / `onload()` / `trim()`), and times
+    each kind of move (`seconds`, reset by `take_seconds`). The trainer starts a new window of
+    its peak-memory statistics at each of its moves, so that a phase's measured peak begins
+    where the phase's residency does (`vlmrl.config.memory.measured_phase_peak`)."""
 
     release: Callable[[tuple[str, ...]], None]
     resume: Callable[[tuple[str, ...]], None]
@@ -112,7 +119,8 @@ class Colocation:
             else:
                 figures = getattr(self.trainer, kind)()
                 self.moved_bytes[kind] = self.moved_bytes.get(kind, 0.0) + float((figures or {}).get("bytes", 0))
-                self.now = Residency(self.now.engine, trainer=kind == "onload")
+                if kind != "trim":
+                    self.now = Residency(self.now.engine, trainer=kind == "onload")
             self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     def synced(self) -> None:

@@ -253,6 +253,10 @@ class TrainerWorker:
     def onload(self) -> dict[str, float]:
         return self.trainer.onload()
 
+    def trim(self) -> dict[str, float]:
+        """Return torch's cached free blocks to the device (see `MegatronTrainer.trim`)."""
+        return self.trainer.trim()
+
     def memory_stats(self) -> dict[str, float]:
         """This rank's device memory now (see `MegatronTrainer.memory_stats`)."""
         return self.trainer.memory_stats()
@@ -401,6 +405,14 @@ class TrainerGroup:
 
         with self._collective():
             return ray.get([w.onload.remote() for w in self.workers])[0]
+
+    def trim(self) -> dict[str, float]:
+        """Every rank gives torch's cached free blocks back to its GPU (colocated engines take
+        memory next while the trainer stays); returns rank 0's figures."""
+        import ray
+
+        with self._collective():
+            return ray.get([w.trim.remote() for w in self.workers])[0]
 
     def memory_stats(self) -> list[dict[str, float]]:
         """Each rank's device memory now, in rank order."""

@@ -379,6 +379,32 @@ def measured_phase_peak(stats: Mapping[str, float]) -> float:
     return float(stats["device_used"]) - float(stats["reserved"]) + float(stats["peak_reserved"])
 
 
+def measured_phase_split(stats: Mapping[str, float]) -> dict[str, float]:
+    """`measured_phase_peak` split by who holds it: `trainer`, this rank's physical peak in the
+    phase (its peak reserved bytes less the offloaded regions, which stay reserved but have no
+    memory behind them), and `others`, every other process on the GPU at the phase's end (a
+    colocated engine, CUDA contexts); `total` is their sum, `measured_phase_peak(stats)`."""
+    offloaded = float(stats.get("offloaded", 0.0))
+    trainer = float(stats["peak_reserved"]) - offloaded
+    others = float(stats["device_used"]) - float(stats["reserved"]) + offloaded
+    return {"total": trainer + others, "trainer": trainer, "others": others}
+
+
+def is_engine_part(name: str) -> bool:
+    """Whether a `PhaseMemory` part is held by an engine's process (the rest is the trainer's)."""
+    return name.startswith(("engine", "released engine"))
+
+
+def phase_estimate_split(cfg: VlmrlConfig) -> dict[str, dict[str, float]]:
+    """Each phase's estimate split as `measured_phase_split` splits a measurement: `trainer`
+    (the trainer's parts) and `others` (the engines' parts)."""
+    out = {}
+    for p in phase_memory(cfg):
+        engine = sum(b for name, b in p.parts if is_engine_part(name))
+        out[p.phase] = {"total": p.total, "trainer": p.total - engine, "others": engine}
+    return out
+
+
 def compare_phase_memory(estimate: dict[str, float], measured: dict[str, float],
                          tolerance: float = 0.10) -> list[str]:
     """The problems of a run's measured phase peaks against the plan's estimate (empty when

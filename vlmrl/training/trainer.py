@@ -272,13 +272,39 @@ class MegatronTrainer:
         `offload` is "off: <why>". A second call without `onload` moves nothing."""
         if self._offload is None:
             return self._offload_off()
-        return {**self._offload.pause(), "offload": "on"}
+        out = {**self._offload.pause(), "offload": "on"}
+        self._new_peak_window()
+        return out
 
     def onload(self) -> dict[str, Any]:
         """Bring back what `offload` freed, at the same addresses; returns the same figures."""
         if self._offload is None:
             return self._offload_off()
-        return {**self._offload.resume(), "offload": "on"}
+        out = {**self._offload.resume(), "offload": "on"}
+        self._new_peak_window()
+        return out
+
+    def trim(self) -> dict[str, Any]:
+        """Give torch's cached free blocks (a training step's activations, a sync's buckets)
+        back to the device, for colocated engines that take memory while the trainer stays;
+        returns `device_freed_bytes`. Starts a new peak window, as `offload` and `onload` do:
+        the next phase's peak begins after this rank's move (`memory_stats`)."""
+        from ..models import compat
+
+        if not compat.cuda_available():
+            return {"device_freed_bytes": 0.0}
+        dev = compat.device()
+        free_before, _ = torch.cuda.mem_get_info(dev)
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info(dev)
+        self._new_peak_window()
+        return {"device_freed_bytes": float(free_after - free_before)}
+
+    def _new_peak_window(self) -> None:
+        from ..models import compat
+
+        if compat.cuda_available():
+            torch.cuda.reset_peak_memory_stats(compat.device())
 
     def _offload_off(self) -> dict[str, Any]:
         return {**dict.fromkeys(("bytes", "copied_bytes", "seconds", "gb_per_s", "device_freed_bytes"), 0.0),
