@@ -18,10 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 
 def _state(trainer) -> dict:
-    inner = trainer.optimizer.optimizer
+    # one torch Adam per DistributedOptimizer of the chain (dense and expert parameters apart)
+    inners = [c.optimizer for c in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]
     return {"params": [p.detach().float().cpu() for c in trainer.chunks for p in c.parameters()],
-            "moments": [inner.state[p][k].detach().cpu() for g in inner.param_groups for p in g["params"]
-                        for k in ("exp_avg", "exp_avg_sq")]}
+            "moments": [inner.state[p][k].detach().cpu() for inner in inners for g in inner.param_groups
+                        for p in g["params"] for k in ("exp_avg", "exp_avg_sq")],
+            "steps": sorted({float(inner.state[p]["step"]) for inner in inners for g in inner.param_groups
+                             for p in g["params"] if "step" in inner.state[p]})}
 
 
 def _worker(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
@@ -48,6 +51,7 @@ def _worker(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
     return {"params": max(float((a - b).abs().max()) for a, b in zip(saved["params"], loaded["params"])),
             "moments": max(float((a - b).abs().max()) for a, b in zip(saved["moments"], loaded["moments"])),
             "n_moments": len(loaded["moments"]), "next_loss": next_loss, "fp32_moved": moved,
+            "steps": (saved["steps"], loaded["steps"]),
             "next_loss_loaded": second.sft_step(samples)["loss"]}
 
 
@@ -68,4 +72,5 @@ def test_distributed_optimizer_checkpoint_round_trip(tiny_moe_config, tiny_moe_c
     moved = res["fp32_moved"]
     assert any(n.endswith("A_log") for n in moved) and all(v > 0 for v in moved.values()), moved
     assert res["params"] == 0.0 and res["moments"] == 0.0
+    assert res["steps"][0] == res["steps"][1] == [1.0], res["steps"]  # torch Adam's counters come back
     assert res["next_loss_loaded"] == pytest.approx(res["next_loss"], rel=1e-3)

@@ -87,3 +87,37 @@ def test_distributed_optimizer_places_follow_its_groups():
         g, order = opt.model_param_group_index_map[p]
         assert held[order].numel() == p.numel()
     assert fix_param_group_index_map(opt) == 0  # already right: nothing changes
+
+
+def test_reshardable_state_loads_into_torch_adam_and_keeps_its_step():
+    """megatron-core 0.16's own setter, as its DistributedOptimizer calls it while loading a
+    reshardable checkpoint into torch's Adam: it asks the saved tensors for the "step" counter
+    the live state carries and fails; patched, it copies the saved moments and parameter and
+    leaves the counter as the loaded param groups set it."""
+    import types
+
+    import pytest
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from vlmrl.training.trainer import fix_torch_adam_state_load
+
+    main = torch.nn.Parameter(torch.zeros(6))
+    adam = torch.optim.Adam([main], lr=0.1)
+    main.grad = torch.ones(6)
+    adam.step()
+    model_param = torch.zeros(6, dtype=torch.bfloat16)
+    opt = types.SimpleNamespace(config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+                                model_param_group_index_map={model_param: (0, 0)}, optimizer=adam)
+    opt._set_main_param_and_optimizer_states = types.MethodType(
+        DistributedOptimizer._set_main_param_and_optimizer_states, opt)
+    saved = {"param": torch.full((6,), 2.0), "exp_avg": torch.full((6,), 3.0), "exp_avg_sq": torch.full((6,), 4.0)}
+    with pytest.raises(KeyError, match="step"), torch.no_grad():  # megatron loads under no_grad
+        opt._set_main_param_and_optimizer_states(model_param, saved)
+    adam.state[main]["step"] = torch.tensor(7.0)  # as load_state_dict sets it from the param groups
+    assert fix_torch_adam_state_load(types.SimpleNamespace(chained_optimizers=[opt])) == 1
+    assert fix_torch_adam_state_load(opt) == 0  # once per optimizer
+    with torch.no_grad():
+        opt._set_main_param_and_optimizer_states(model_param, saved)
+    state = adam.state[main]
+    assert torch.equal(main.detach(), saved["param"]) and float(state["step"]) == 7.0
+    assert torch.equal(state["exp_avg"], saved["exp_avg"]) and torch.equal(state["exp_avg_sq"], saved["exp_avg_sq"])

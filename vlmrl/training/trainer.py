@@ -109,6 +109,43 @@ def fix_param_group_index_map(optimizer: Any) -> int:
     return changed
 
 
+def fix_torch_adam_state_load(optimizer: Any) -> int:
+    """Let megatron-core's DistributedOptimizer load its reshardable parameter state into torch's
+    Adam; returns the number of optimizers patched.
+
+    Without TransformerEngine or apex, megatron-core 0.16 runs torch's Adam, which keeps a
+    "step" counter beside each parameter's moments. `load_state_dict` sets that counter from
+    the saved param groups, then copies the saved moments and main parameters in with
+    `_set_main_param_and_optimizer_states`, which copies every key the live state has and so
+    asks the saved tensors for a "step" they never carry (`KeyError: 'step'` on the first
+    resume on an H200). The setter here copies the saved tensors and leaves the counter as
+    `load_state_dict` set it. Applied to each DistributedOptimizer instance; megatron's own
+    files stay as they are."""
+    patched = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        setter = getattr(chained, "_set_main_param_and_optimizer_states", None)
+        if setter is None or getattr(setter, "vlmrl_keeps_step", False):
+            continue
+
+        def set_states(model_param: Any, tensors: dict[str, Any], _setter: Any = setter, _opt: Any = chained) -> None:
+            config = getattr(_opt, "config", None)
+            if "step" in tensors or getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+                return _setter(model_param, tensors)
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            state = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
+            try:
+                return _setter(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        set_states.vlmrl_keeps_step = True  # type: ignore[attr-defined]
+        chained._set_main_param_and_optimizer_states = set_states
+        patched += 1
+    return patched
+
+
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
@@ -366,6 +403,7 @@ class MegatronTrainer:
             use_distributed_optimizer=self.distributed_optimizer)
         optimizer = get_megatron_optimizer(config, self.model, use_gloo_process_groups=False)
         fix_param_group_index_map(optimizer)
+        fix_torch_adam_state_load(optimizer)
         from ..models import compat
 
         if compat.cuda_available():
