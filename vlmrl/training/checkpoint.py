@@ -97,6 +97,12 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    if getattr(trainer, "distributed_optimizer", False):
+        # megatron-core 0.16's DistributedOptimizer reads torch Adam's step counters while it
+        # describes what to load, and a trainer that has not stepped yet has none
+        from .offload import init_optimizer_state
+
+        init_optimizer_state(trainer.optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path / "dist"))
     for i, chunk in enumerate(trainer.chunks):
         chunk.load_state_dict(state[f"model{i}" if len(trainer.chunks) > 1 else "model"])
