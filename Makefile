@@ -1,4 +1,5 @@
-# vlmrl: `make train` (installs what is missing, then runs the embedded default) and `make test`.
+# vlmrl: `make train` (installs what is missing, then runs the embedded default), `make test`
+# (the CPU suite) and `make test-fast` (its unit tier, for a quick check while editing).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -12,10 +13,10 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6"
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help setup train test test-all check-wheel lint bench plan sglang-contract clean
+.PHONY: help setup train test test-fast test-all check-wheel lint bench plan sglang-contract clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +42,12 @@ train: bytecode ## run the embedded default end to end (tiny model, procedural t
 
 test: bytecode ## the CPU test suite (GPU tests skip without CUDA, slow ones are left out)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# the unit tier alone: pure functions and single-process checks (no Ray, no trainer ranks, no
+# loop run), for a quick check while editing; `make test` runs these too. Its wall time on two
+# cores is in bench/results/suite.md.
+test-fast: bytecode ## the unit tier only (tests/unit), under 3 minutes on two cores
+	$(PY) -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
 
 test-all: bytecode ## every test, slow ones included
 	$(PY) -m pytest $(PYTEST_ARGS)
