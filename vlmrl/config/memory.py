@@ -28,9 +28,19 @@ GIB = 1024**3
 # cuBLAS workspaces, NCCL communicators' buffers. A released engine and an offloaded trainer
 # keep this much each.
 PROCESS_BYTES = 1.5 * GIB
-# A generating SGLang engine beyond its static pool (weights + KV cache,
-# `rollout.sglang.mem_fraction_static`): its decode CUDA graphs and the activations of one
-# prefill chunk.
+# What an SGLang engine holds outside the regions its memory saver releases, whether it is
+# generating or released (measured on the H200 with SGLang 0.5.17, bench/results/sglang.md,
+# 2026-12-04 third session): a fixed part (its tokenizer process's CUDA context and the 1 GiB it
+# reserves for multimodal features over CUDA IPC, attention workspaces, torch's cache of
+# activations) and index arrays that grow with the KV cache's token count (about 64 bytes a
+# token, created at start and again by the cache flush of each release).
+SGLANG_OUTSIDE_POOL_BYTES = 3.0 * GIB
+SGLANG_BYTES_PER_KV_TOKEN = 64
+# SGLang's split of a hybrid model's pool between recurrent (Gated DeltaNet) states and the
+# attention layers' KV cache: `--mamba-full-memory-ratio`, its default.
+SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
+# The embedded engine's working memory beyond its weights while it generates: the KV cache of
+# a batch and the activations of its forward passes.
 ENGINE_RUNTIME_BYTES = 4.0 * GIB
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -287,15 +297,53 @@ def engine_weight_bytes(cfg: VlmrlConfig) -> float:
     return count_params(cfg).total * per / max(cfg.rollout.gpus_per_engine, 1)
 
 
+def sglang_kv_tokens(cfg: VlmrlConfig) -> float:
+    """The tokens one SGLang engine GPU's KV cache holds: its static pool
+    (`mem_fraction_static` x GPU memory) less the engine's weights; for a hybrid model the
+    attention layers' share of it (SGLang gives the recurrent states `mamba_full_memory_ratio`
+    as much as the KV cache); divided by the KV bytes of one token over the full-attention
+    layers (KV heads shard over the engine's GPUs, a head replicated where there are more GPUs
+    than heads)."""
+    r, lm = cfg.rollout, cfg.model.lm
+    free = max(r.sglang.mem_fraction_static * cfg.hardware.gpu_memory_gb * GIB - engine_weight_bytes(cfg), 0.0)
+    types = list(lm.layer_types) or ["full_attention"] * lm.num_layers
+    full = types.count("full_attention")
+    if full == 0:
+        return 0.0
+    if "linear_attention" in types:
+        ratio = float(dict(r.sglang.server_args).get("mamba_full_memory_ratio", SGLANG_MAMBA_FULL_MEMORY_RATIO))
+        free /= 1.0 + ratio
+    heads = max(lm.num_query_groups // max(r.gpus_per_engine, 1), 1)
+    per_token = full * heads * lm.head_dim * 2 * _DTYPE_BYTES.get(cfg.model.dtype, 2)
+    return free / per_token
+
+
+def _engine_outside_pool(cfg: VlmrlConfig) -> list[tuple[str, float]]:
+    """What an SGLang engine keeps beside its static pool, generating or released."""
+    tokens = sglang_kv_tokens(cfg)
+    return [("engine process", PROCESS_BYTES),
+            ("engine memory beside its pool (multimodal buffer, workspaces, cached activations)",
+             SGLANG_OUTSIDE_POOL_BYTES),
+            (f"engine KV index arrays ({SGLANG_BYTES_PER_KV_TOKEN} B x {tokens / 1e6:.1f}M tokens)",
+             SGLANG_BYTES_PER_KV_TOKEN * tokens)]
+
+
 def _engine_generating(cfg: VlmrlConfig) -> list[tuple[str, float]]:
     r, gpu = cfg.rollout, cfg.hardware.gpu_memory_gb * GIB
     if r.name == "sglang":
         return [(f"engine static pool (weights + KV cache: mem_fraction_static "
                  f"{r.sglang.mem_fraction_static:g} x {_gib_text(gpu)})", r.sglang.mem_fraction_static * gpu),
-                ("engine CUDA graphs and activations", ENGINE_RUNTIME_BYTES),
-                ("engine process", PROCESS_BYTES)]
+                *_engine_outside_pool(cfg)]
     return [("engine weights", engine_weight_bytes(cfg)), ("engine activations", ENGINE_RUNTIME_BYTES),
             ("engine process", PROCESS_BYTES)]
+
+
+def _engine_released(cfg: VlmrlConfig) -> list[tuple[str, float]]:
+    """What a released engine keeps: SGLang what lies outside its memory saver's regions, the
+    embedded engine its process."""
+    if cfg.rollout.name == "sglang":
+        return [(f"released {name}", b) for name, b in _engine_outside_pool(cfg)]
+    return [("released engine process", PROCESS_BYTES)]
 
 
 def _gib_text(n: float) -> str:
@@ -333,14 +381,15 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
     trainer_graphs = [("trainer CUDA graph pools", mem.activations)] if graphs else []
     train_acts = [] if graphs else [("trainer activations (training micro-batch)", mem.activations)]
     fwd_acts = [("trainer activations (forward only)", mem.forward_activations)]
-    released_engine = [("released engine process", PROCESS_BYTES)]
+    released_engine = _engine_released(cfg)
     if not cfg.cluster.colocate:
         on_trainer = [*state, *trainer_process, *trainer_graphs]
         return [PhaseMemory("rollout", "engine", tuple(_engine_generating(cfg))),
                 PhaseMemory("logprob", "trainer", tuple(on_trainer + fwd_acts)),
                 PhaseMemory("train", "trainer", tuple(on_trainer + train_acts))]
     kept = [] if offload else state
-    bucket = max(int(cfg.rollout.weight_update_bucket_mb), 1) * 1024**2
+    # a bucket fills up to its size or the whole model, whichever is smaller
+    bucket = min(max(int(cfg.rollout.weight_update_bucket_mb), 1) * 1024**2, engine_weight_bytes(cfg))
     return [
         PhaseMemory("rollout", "shared", tuple(_engine_generating(cfg) + kept + trainer_process + trainer_graphs)),
         PhaseMemory("logprob", "shared", tuple(state + trainer_process + trainer_graphs + fwd_acts + released_engine)),
@@ -348,7 +397,7 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
         PhaseMemory("sync", "shared", tuple(state + trainer_process + trainer_graphs + [
             ("engine weights (resumed)", engine_weight_bytes(cfg)),
             (f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB)", 2 * bucket),
-            ("engine process", PROCESS_BYTES)])),
+            *[(name.removeprefix("released "), b) for name, b in released_engine]])),
     ]
 
 
