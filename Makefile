@@ -77,17 +77,17 @@ plan: setup ## print the rank layout and memory estimate: make plan ARGS='experi
 	$(PY) -m vlmrl.plan $(ARGS)
 
 # the SGLang release whose pair of files (contract + flag list) `make sglang-contract` writes into
-# vlmrl/rollout/contracts/; default: the newest release there (make sglang-contract SGLANG_VERSION=0.5.24)
-SGLANG_VERSION ?= $(shell ls vlmrl/rollout/contracts/ | sed -n 's/^sglang-\(.*\)\.json$$/\1/p' | sort -V | tail -n 1)
+# vlmrl/contracts/; default: the newest release there (make sglang-contract SGLANG_VERSION=0.5.24)
+SGLANG_VERSION ?= $(shell ls vlmrl/contracts/ | sed -n 's/^sglang-\(.*\)\.json$$/\1/p' | sort -V | tail -n 1)
 
-sglang-contract: setup ## write vlmrl/rollout/contracts/sglang-$(SGLANG_VERSION).{json,flags.txt} from that SGLang wheel (downloaded)
+sglang-contract: setup ## write vlmrl/contracts/sglang-$(SGLANG_VERSION).{json,flags.txt} from that SGLang wheel (downloaded)
 	@test -n "$(SGLANG_VERSION)" || { echo "set SGLANG_VERSION=x.y.z" >&2; exit 2; }
 	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
 	$(PY) -m pip download -q --no-deps "sglang==$(SGLANG_VERSION)" -d "$$d" && \
 	$(PY) -m vlmrl.rollout.sglang flags --source "$$d"/sglang-*.whl \
-		--out vlmrl/rollout/contracts/sglang-$(SGLANG_VERSION).flags.txt && \
+		--out vlmrl/contracts/sglang-$(SGLANG_VERSION).flags.txt && \
 	$(PY) -m vlmrl.rollout.sglang contract --source "$$d"/sglang-*.whl \
-		--out vlmrl/rollout/contracts/sglang-$(SGLANG_VERSION).json
+		--out vlmrl/contracts/sglang-$(SGLANG_VERSION).json
 
 clean: ## remove the virtualenv and caches (runs/ is kept)
 	rm -rf $(VENV) .pytest_cache .ruff_cache

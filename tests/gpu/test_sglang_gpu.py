@@ -36,8 +36,8 @@ MAX_LOGPROB_TOL = 0.25
 
 
 def _install() -> tuple[str, dict[str, str], str]:
+    from vlmrl.contracts.sglang_contract import known_versions
     from vlmrl.rollout.sglang import installed_sglang_version
-    from vlmrl.rollout.sglang_contract import known_versions
 
     python = os.environ.get("VLMRL_SGLANG_PYTHON") or sys.executable
     env = json.loads(os.environ.get("VLMRL_SGLANG_ENV") or "{}")

@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 import torch
 
+from vlmrl.contracts.sglang_contract import known_versions, load_contract
+from vlmrl.contracts.sglang_contract import protocol as sglang_protocol
 from vlmrl.data.images import encode_data_uri as encode_image_data_uri
 from vlmrl.models.names import to_checkpoint_name
 from vlmrl.rollout.client import HTTPEngine
 from vlmrl.rollout.embedded import EmbeddedEngine
 from vlmrl.rollout.protocol import MEMORY_TAGS, EngineError, GenerateRequest, SamplingParams
 from vlmrl.rollout.server import ThreadedServer
-from vlmrl.rollout.sglang_contract import known_versions, load_contract
-from vlmrl.rollout.sglang_contract import protocol as sglang_protocol
 
 VERSIONS = known_versions()
 

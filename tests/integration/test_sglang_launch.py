@@ -58,7 +58,7 @@ def _take_bundle(ray, placement, cpus: float) -> object:
 
 
 def test_versions_are_read_without_import_and_checked_against_the_contracts():
-    from vlmrl.rollout.sglang_contract import known_versions
+    from vlmrl.contracts.sglang_contract import known_versions
 
     with pytest.raises(RuntimeError, match="sglang is not installed for"):
         installed_sglang_version(sys.executable)

@@ -189,7 +189,7 @@ def test_check_sglang_checkpoint_raises_listing_every_problem(tmp_path):
 
 # --------------------------------------------------------------------------- SGLang's own classes
 def _known_versions() -> tuple[str, ...]:
-    from vlmrl.rollout.sglang_flags import known_versions
+    from vlmrl.contracts.sglang_flags import known_versions
 
     return known_versions()
 

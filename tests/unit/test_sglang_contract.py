@@ -1,6 +1,6 @@
 """vlmrl's client, embedded server and launcher held against SGLang's HTTP contract of every
-release vlmrl speaks (vlmrl/rollout/contracts/sglang-<version>.json, read from the SGLang
-wheel's source by vlmrl.rollout.sglang_contract), and that scanner itself on a synthetic
+release vlmrl speaks (vlmrl/contracts/sglang-<version>.json, read from the SGLang
+wheel's source by vlmrl.contracts.sglang_contract), and that scanner itself on a synthetic
 package.
 
 No SGLang name is typed into this file: what vlmrl sends is captured from its own client
@@ -25,10 +25,7 @@ from typing import Any
 
 import pytest
 
-from vlmrl.rollout import protocol
-from vlmrl.rollout.client import HTTPEngine
-from vlmrl.rollout.protocol import MEMORY_TAGS, GenerateRequest, GenerateResult, SamplingParams, memory_tags
-from vlmrl.rollout.sglang_contract import (
+from vlmrl.contracts.sglang_contract import (
     ContractScanError,
     UnknownSGLangVersion,
     format_contract,
@@ -38,8 +35,11 @@ from vlmrl.rollout.sglang_contract import (
     scan_contract,
     verify_sampling_params,
 )
-from vlmrl.rollout.sglang_contract import protocol as sglang_protocol
-from vlmrl.rollout.sglang_flags import contract_file, flags_file, load_flags
+from vlmrl.contracts.sglang_contract import protocol as sglang_protocol
+from vlmrl.contracts.sglang_flags import contract_file, flags_file, load_flags
+from vlmrl.rollout import protocol
+from vlmrl.rollout.client import HTTPEngine
+from vlmrl.rollout.protocol import MEMORY_TAGS, GenerateRequest, GenerateResult, SamplingParams, memory_tags
 
 VERSIONS = known_versions()
 CONTRACT = load_contract()  # the newest
@@ -75,7 +75,7 @@ def test_contract_file_is_generated_and_matches_flags_version(contract):
     version = contract["sglang_version"]
     text = contract_file(version).read_text()
     assert contract["generated_by"].startswith("python -m vlmrl.rollout.sglang contract --source sglang-")
-    assert f"--out vlmrl/rollout/contracts/sglang-{version}.json" in contract["generated_by"]
+    assert f"--out vlmrl/contracts/sglang-{version}.json" in contract["generated_by"]
     # written by format_contract (sorted keys): regenerating from the same wheel gives no diff
     body = {k: v for k, v in contract.items() if k != "generated_by"}
     assert format_contract(body, contract["generated_by"]) == text
@@ -783,7 +783,7 @@ def test_scanner_on_a_synthetic_package(tmp_path):
     assert post["steps"][2]["else"] == [{"if": "self.top_k == -1", "then": [{"set": "self.top_k", "value": "TOP"}],
                                          "else": []}]
     # replayed: defaults, __post_init__, then the rules in order, with SGLang's messages
-    from vlmrl.rollout.sglang_contract import _Verifier
+    from vlmrl.contracts.sglang_contract import _Verifier
 
     def check(params: dict[str, Any], vocab_size: int | None = 5) -> str | None:
         return _Verifier(c["sampling_params"]).check({"max_new_tokens": 4, **params}, {"vocab_size": vocab_size})
@@ -895,9 +895,9 @@ def test_scanner_fails_loudly_when_a_piece_is_missing(tmp_path, case):
 
 
 def test_contract_command_writes_the_file_deterministically(tmp_path, capsys, monkeypatch):
-    """The command writes vlmrl/rollout/contracts/sglang-<version>.json by default (here a
+    """The command writes vlmrl/contracts/sglang-<version>.json by default (here a
     temporary folder); with the flag list beside it, the release is known and spoken."""
-    from vlmrl.rollout import sglang_flags
+    from vlmrl.contracts import sglang_flags
     from vlmrl.rollout.sglang import main
 
     monkeypatch.setattr(sglang_flags, "CONTRACTS_DIR", tmp_path / "contracts")

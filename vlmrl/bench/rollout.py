@@ -133,11 +133,11 @@ def bench_sglang(model_path: str, reqs: list[Any], *, family: str = "qwen2_5_vl"
     import tempfile
 
     from ..config import load
+    from ..contracts.sglang_flags import load_flags
     from ..models.tiny import TINY_OPTIONS
     from ..rollout.client import HTTPEngine
     from ..rollout.sglang import SGLangServerActor, check_sglang_version
     from ..rollout.sglang import server_args as run_server_args
-    from ..rollout.sglang_flags import load_flags
 
     cfg = load([f"model={TINY_OPTIONS[family]}", "rollout=sglang", "hardware=h200", f"model.dtype={dtype}",
                 f"rollout.sglang.mem_fraction_static={mem_fraction_static}"], check_rules=False)

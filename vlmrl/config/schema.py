@@ -332,7 +332,7 @@ class SGLangConfig(Sealable):
     startup_timeout_s: float = 900.0
     # the SGLang release the engines run; null: read from the installed package of
     # `python` at launch. vlmrl speaks each release's protocol from the contract generated
-    # from its source (vlmrl/rollout/contracts) and refuses a release it has none for.
+    # from its source (vlmrl/contracts) and refuses a release it has none for.
     version: str | None = None
     # the interpreter that runs `-m sglang.launch_server` (SGLang pins its own torch and
     # transformers, so it may live in an environment of its own); null: the trainer's
@@ -361,7 +361,7 @@ class EmbeddedEngineConfig(Sealable):
     host: str = "127.0.0.1"  # where the HTTP server listens ("auto": the actor's node address)
     port: int = 0  # 0: a free port
     # the SGLang release whose protocol the HTTP server speaks (its contract in
-    # vlmrl/rollout/contracts); null: the newest one vlmrl has a contract for
+    # vlmrl/contracts); null: the newest one vlmrl has a contract for
     sglang_version: str | None = None
 
 

@@ -13,15 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..contracts.sglang_flags import load_flags
+from ..contracts.sglang_layers import (
+    closest_interval,
+    full_attention_interval,
+    layer_types_override,
+    sglang_layer_types,
+)
+from ..contracts.sglang_server import SERVER_ENV, SGLANG_KEY_ARGS, VLM_CACHE_ENV
 from .layout import compute_layout, is_gdn_model, is_moe_model
 from .schema import VlmrlConfig
 
 
 def sglang_choices(field: str) -> tuple[str, ...]:
     """The values SGLang accepts for a ServerArgs field, from the committed flag list
-    (`vlmrl/rollout/sglang_flags.txt`, generated from SGLang's source); empty: free."""
-    from ..rollout.sglang_flags import load_flags
-
+    (`vlmrl/contracts/sglang-<version>.flags.txt`, generated from SGLang's source); empty: free."""
     return load_flags().fields[field].choices
 
 VISION_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -241,13 +247,6 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
             fail("engine-memory", f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} "
                  "must be in (0, 1)")
         if m.family in ("qwen3_5", "qwen3_5_moe") and len(lm.layer_types) == lm.num_layers:
-            from ..models.sglang_checkpoint import (
-                closest_interval,
-                full_attention_interval,
-                layer_types_override,
-                sglang_layer_types,
-            )
-
             if full_attention_interval(lm.layer_types) is None:
                 k = closest_interval(lm.layer_types)
                 full = [i for i, t in enumerate(lm.layer_types) if t == "full_attention"]
@@ -257,9 +256,6 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
                      "(l + 1) % interval == 0) and would serve other layers than the trainer's. Set "
                      f"{layer_types_override(sglang_layer_types(k, lm.num_layers))} (interval {k}), or use "
                      "rollout=embedded")
-        from ..rollout.auth import SGLANG_KEY_ARGS
-        from ..rollout.sglang import SERVER_ENV, VLM_CACHE_ENV
-
         for key in SGLANG_KEY_ARGS:
             if key in dict(r.sglang.server_args):
                 fail("sglang-args", f"rollout.sglang.server_args.{key}: the run sets it (its engine key, drawn "
@@ -274,8 +270,6 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
             fail("sglang-env", f"rollout.sglang.env.{VLM_CACHE_ENV}={cache}: SGLang would reuse each image's "
                  "vision-tower features across weight syncs (no update or flush clears them), and the vision "
                  f"tower trains; leave it unset ({VLM_CACHE_ENV}=0)")
-        from ..rollout.sglang_flags import load_flags
-
         flags = load_flags()
         for key, value in dict(r.sglang.server_args).items():
             try:

@@ -15,7 +15,7 @@ missing. Two such differences break a run late and badly, so vlmrl refuses them 
 
 SGLang's classes, defaults and required attributes are read from its source, not typed
 here: `model_configs` is the `model_configs` section of vlmrl's SGLang contract
-(`vlmrl.rollout.sglang_contract`), {model_type: {"text" | "vision": {"class": name,
+(`vlmrl.contracts.sglang_contract`), {model_type: {"text" | "vision": {"class": name,
 "defaults": {init parameter: literal value or {"source": text}}, "required": [attribute
 the class reads that no __init__ assigns]}}}.
 
@@ -31,9 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from ..config.schema import ModelConfig
+from ..contracts.sglang_layers import (  # noqa: F401  (the layer rule's functions, used here and by callers)
+    FULL,
+    LINEAR,
+    closest_interval,
+    full_attention_interval,
+    layer_types_override,
+    sglang_layer_types,
+)
 
 QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
-FULL, LINEAR = "full_attention", "linear_attention"
 SECTIONS = {"text": "text_config", "vision": "vision_config"}
 
 # what published Qwen3.5 configs carry beyond transformers' own fields: keys SGLang reads
@@ -41,39 +48,6 @@ SECTIONS = {"text": "text_config", "vision": "vision_config"}
 QWEN3_5_TEXT_KEYS = {"attn_output_gate": True, "mamba_ssm_dtype": "float32", "output_gate_type": "swish",
                      "mtp_num_hidden_layers": 0, "mtp_use_dedicated_embeddings": False}
 QWEN3_5_VISION_KEYS = {"deepstack_visual_indexes": []}
-
-
-# --------------------------------------------------------------------------- layer kinds
-def sglang_layer_types(interval: int, num_layers: int) -> list[str]:
-    """The layer kinds SGLang builds for a Qwen3.5 text config with this `full_attention_interval`."""
-    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
-
-
-def full_attention_interval(layer_types: Sequence[str]) -> int | None:
-    """The `full_attention_interval` from which SGLang derives exactly these layer kinds, or
-    None when there is none (layers of only linear attention: one more than their number)."""
-    types = list(layer_types)
-    interval = types.index(FULL) + 1 if FULL in types else len(types) + 1
-    return interval if sglang_layer_types(interval, len(types)) == types else None
-
-
-def closest_interval(layer_types: Sequence[str]) -> int:
-    """The interval whose layer kinds are nearest these: the same number of full-attention
-    layers where one has it, then the fewest layers of another kind, then one that divides
-    the number of layers (the last layer full attention, as in published Qwen3.5 models)."""
-    types = list(layer_types)
-    n, full = len(types), types.count(FULL)
-
-    def distance(k: int) -> tuple[int, int, bool]:
-        derived = sglang_layer_types(k, n)
-        return abs(derived.count(FULL) - full), sum(a != b for a, b in zip(derived, types)), n % k != 0
-
-    return min(range(1, n + 2), key=distance)
-
-
-def layer_types_override(types: Sequence[str]) -> str:
-    """The Hydra override that sets `model.lm.layer_types` to `types`."""
-    return f"model.lm.layer_types=[{','.join(types)}]"
 
 
 def _differences(derived: Sequence[str], types: Sequence[str], limit: int = 4) -> str:
@@ -209,7 +183,7 @@ def read_config_json(path: str) -> tuple[dict[str, Any], str]:
 def contract_model_configs(version: str | None = None) -> Mapping[str, Any]:
     """The `model_configs` section of vlmrl's SGLang contract of `version` (None: the newest
     release vlmrl has a contract for)."""
-    from ..rollout.sglang_contract import load_contract
+    from ..contracts.sglang_contract import load_contract
 
     contract = load_contract(version)
     if "model_configs" not in contract:

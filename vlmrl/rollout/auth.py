@@ -21,8 +21,6 @@ from pathlib import Path
 KEY_FILE = "engine.key"
 # paths every caller may reach without the key, as in SGLang (liveness probes, metrics)
 OPEN_PREFIXES = ("/health", "/metrics")
-# the ServerArgs fields that carry it (SGLang's flags --api-key, --admin-api-key)
-SGLANG_KEY_ARGS = ("api_key", "admin_api_key")
 _SECRET_FLAGS = ("--api-key", "--admin-api-key")
 
 

@@ -264,11 +264,11 @@ class HTTPEngine:
 
     # ----------------------------------------------------------------- protocol
     async def protocol(self) -> Any:
-        """The server's SGLang protocol (`vlmrl.rollout.sglang_contract.SGLangProtocol`): the
+        """The server's SGLang protocol (`vlmrl.contracts.sglang_contract.SGLangProtocol`): the
         version `/server_info` reports, looked up among the contracts vlmrl has; a server
         that reports none, or a release vlmrl has no contract for, is refused."""
         if self._protocol is None:
-            from .sglang_contract import protocol
+            from ..contracts.sglang_contract import protocol
 
             info = await self._call("GET", "/server_info", None, timeout_s=60.0)
             version = info.get("version") if isinstance(info, dict) else None

@@ -726,8 +726,8 @@ class EmbeddedEngineActor:
 
     def __init__(self, model_path: str, engine_kwargs: dict[str, Any] | None = None,
                  torch_threads: int | None = None, sglang_version: str | None = None) -> None:
+        from ..contracts.sglang_contract import protocol
         from ..logging.console import quiet_from_env
-        from .sglang_contract import protocol
 
         self.sglang_version = protocol(sglang_version).version  # an unknown release fails here, at once
 
@@ -794,7 +794,7 @@ def create_embedded_actor(model_path: str, *, num_cpus: float = 0.5, num_gpus: f
     (`rollout.embedded.sglang_version`; None: the newest vlmrl has a contract for)."""
     import ray
 
-    from .sglang_contract import protocol
+    from ..contracts.sglang_contract import protocol
 
     protocol(sglang_version)  # an unknown release fails here, before an actor starts
     cls = ray.remote(EmbeddedEngineActor)

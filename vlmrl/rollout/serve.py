@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.min_pixels is None) != (args.max_pixels is None):
         print("--min-pixels and --max-pixels go together", file=sys.stderr)
         return 2
-    from .sglang_contract import protocol
+    from ..contracts.sglang_contract import protocol
 
     try:
         args.sglang_version = protocol(args.sglang_version).version

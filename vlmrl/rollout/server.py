@@ -5,7 +5,7 @@ It fronts any `Engine` (in practice the embedded one), so the same client code d
 SGLang server on GPUs and the embedded engine on a laptop. The server emulates one release
 (`sglang_version`, config key `rollout.embedded.sglang_version`; None: the newest vlmrl has a
 contract for) and takes everything release-specific from that release's contract
-(vlmrl/rollout/contracts): which routes exist, the sampling checks, the /v1/loads keys, the
+(vlmrl/contracts): which routes exist, the sampling checks, the /v1/loads keys, the
 weight-update session, the text of the release precondition. Routes (as in SGLang):
 
   POST /generate                      text | input_ids, image_data, sampling_params,
@@ -134,7 +134,7 @@ def sampling_rules(sglang_version: str | None = None) -> tuple[frozenset[str], d
     release has one, else the fields of its SamplingParams."""
     import ast
 
-    from .sglang_contract import load_contract, parse_field
+    from ..contracts.sglang_contract import load_contract, parse_field
 
     contract = load_contract(sglang_version)
     schema = contract["api_schema"]
@@ -160,7 +160,7 @@ def check_sampling(params: Any, known: frozenset[str], defaults: dict[str, Any],
     `SamplingParams.verify` refuses (400, its message); the embedded engine also refuses,
     rather than ignores, SGLang's parameters it does not implement when they are set to
     anything but their default."""
-    from .sglang_contract import verify_sampling_params
+    from ..contracts.sglang_contract import verify_sampling_params
 
     for d in params if isinstance(params, list) else [params]:
         if d is None:
@@ -222,8 +222,8 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
     before the body is read, nothing changes, and `unauthorized` counts it."""
     from aiohttp import web
 
+    from ..contracts.sglang_contract import protocol
     from .auth import authorized
-    from .sglang_contract import protocol
 
     proto = protocol(sglang_version)
     state = _State()

@@ -4,7 +4,7 @@ and the `flags` command that regenerates the flag list.
 SGLang is never imported here (it cannot be installed on the CPU machines, and even its
 request dataclasses pull in GPU packages). Flags are checked against the committed list
 of SGLang's ServerArgs fields of each release vlmrl speaks
-(`vlmrl/rollout/contracts/sglang-<version>.flags.txt`), which this module writes by reading
+(`vlmrl/contracts/sglang-<version>.flags.txt`), which this module writes by reading
 SGLang's source with `ast` (no import):
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sg
@@ -40,15 +40,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .auth import SGLANG_KEY_ARGS, redact
-from .manager import close_sessions
-from .sglang_flags import (
+from ..contracts.sglang_flags import (
     SGLangFlags,
     flags_file,
     format_flags,
     load_flags,
     scan_sglang_source,
 )
+from ..contracts.sglang_server import SERVER_ENV, SGLANG_KEY_ARGS, VLM_CACHE_ENV  # noqa: F401  (VLM_CACHE_ENV: callers)
+from .auth import redact
+from .manager import close_sessions
 
 log = logging.getLogger(__name__)
 
@@ -233,14 +234,6 @@ def installed_sglang_version(python: str | None = None, env: dict[str, str] | No
     return out.stdout.strip()
 
 
-# What every SGLang server vlmrl starts runs with, beneath `rollout.sglang.env`. SGLang keeps the
-# vision tower's output per image (100 MB by default) and no weight update or cache flush clears
-# it: after a sync that changed the vision tower, an image seen before would reach the language
-# model with the old tower's features (seen on the H200: the engine-trainer logprob gap grew
-# from 0.01 to 0.06 after three steps). SGLang's own RL mode (`rl_on_policy_target`) turns it off
-# the same way.
-VLM_CACHE_ENV = "SGLANG_VLM_CACHE_SIZE_MB"
-SERVER_ENV = {VLM_CACHE_ENV: "0"}
 
 
 class SGLangServerActor:
@@ -362,7 +355,7 @@ def engine_gpu_request(rollout: Any, colocate: bool, gpu_fraction: float | None 
 def check_sglang_version(found: Sequence[str], wanted: str | None) -> str:
     """The one SGLang release every engine runs, known to vlmrl (a contract exists for it) and
     equal to `rollout.sglang.version` when set; ValueError otherwise."""
-    from .sglang_contract import known_versions
+    from ..contracts.sglang_contract import known_versions
 
     versions = sorted(set(found))
     if len(versions) != 1:
@@ -483,15 +476,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("flags", help="write an SGLang release's flag list from its wheel or package directory")
     f.add_argument("--source", required=True, help="sglang-*.whl (pip download --no-deps sglang) or site-packages dir")
-    f.add_argument("--out", default=None, help="default: vlmrl/rollout/contracts/sglang-<version>.flags.txt")
+    f.add_argument("--out", default=None, help="default: vlmrl/contracts/sglang-<version>.flags.txt")
     c = sub.add_parser("command", help="print the launch command of every engine for a config")
     c.add_argument("overrides", nargs="*")
-    from .sglang_contract import format_contract, scan_contract
-    from .sglang_flags import contract_file
+    from ..contracts.sglang_contract import format_contract, scan_contract
+    from ..contracts.sglang_flags import contract_file
 
     k = sub.add_parser("contract", help="write an SGLang release's HTTP contract from its wheel or package dir")
     k.add_argument("--source", required=True, help="sglang-*.whl (pip download --no-deps sglang) or site-packages dir")
-    k.add_argument("--out", default=None, help="default: vlmrl/rollout/contracts/sglang-<version>.json")
+    k.add_argument("--out", default=None, help="default: vlmrl/contracts/sglang-<version>.json")
     args = p.parse_args(argv)
     if args.cmd == "contract":
         contract = scan_contract(args.source)

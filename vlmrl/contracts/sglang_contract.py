@@ -1,6 +1,6 @@
 """SGLang's native HTTP contract, read from its source with `ast` (SGLang is never imported).
 
-vlmrl speaks each SGLang release from that release's contract: `vlmrl/rollout/contracts/`
+vlmrl speaks each SGLang release from that release's contract: `vlmrl/contracts/`
 holds one pair of files per release, `sglang-<version>.json` (written here) and
 `sglang-<version>.flags.txt` (its ServerArgs flags, `sglang_flags.py`). The tests hold vlmrl's
 client, embedded server and launcher against every contract (tests/unit/test_sglang_contract.py).
@@ -9,7 +9,7 @@ this file alone, by hand:
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sg
     python -m vlmrl.rollout.sglang contract --source /tmp/sg/sglang-0.5.23-*.whl
-    (written to vlmrl/rollout/contracts/sglang-0.5.23.json, the version read from the wheel)
+    (written to vlmrl/contracts/sglang-0.5.23.json, the version read from the wheel)
 
 The API: `known_versions()` (oldest first), `load_contract(version)` (None: the newest;
 an unknown release raises `UnknownSGLangVersion`, a ValueError naming the known ones and the
@@ -643,7 +643,7 @@ def _sampling_verify(pkg: _Package, cls: ast.ClassDef, fields: dict[str, str]) -
         except _NotExpressible as e:
             raise ContractScanError(f"sampling verify: the rule at sglang/{where} uses a {e}, which vlmrl's "
                                     "evaluator does not know; extend the expression language in "
-                                    "vlmrl/rollout/sglang_contract.py") from e
+                                    "vlmrl/contracts/sglang_contract.py") from e
         params = set().union(*(_self_attrs(n) for n in nodes[:-1] + [_expr(defined[k]) for k in order]))
         return {"condition": condition, "guards": guards, "message": message, "where": where,
                 "parameters": sorted(params), "locals": [[k, defined[k]] for k in order]}
@@ -1294,7 +1294,7 @@ def scan_contract(source: str | Path) -> dict[str, Any]:
         if name.endswith("ReqInput") and (out := pkg.resolve_class(rel, name[: -len("Input")] + "Output")):
             response_structs[out[1].name] = _class_fields(pkg, out[0], out[1])
     return {
-        "about": "SGLang's native HTTP contract read from its source with ast by vlmrl/rollout/sglang_contract.py "
+        "about": "SGLang's native HTTP contract read from its source with ast by vlmrl/contracts/sglang_contract.py "
                  "(its docstring says what each key holds and how robust it is); regenerate with "
                  f"`make sglang-contract SGLANG_VERSION={version}`.",
         "sglang_version": version,

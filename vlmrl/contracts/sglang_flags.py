@@ -1,6 +1,6 @@
 """SGLang's ServerArgs fields, read from its source with `ast` (SGLang is never imported).
 
-vlmrl keeps one pair of files per SGLang release it speaks, in `vlmrl/rollout/contracts/`:
+vlmrl keeps one pair of files per SGLang release it speaks, in `vlmrl/contracts/`:
 `sglang-<version>.flags.txt` (the fields of that release's ServerArgs and their command-line
 flags, written by this module) and `sglang-<version>.json` (its HTTP contract, written by
 `sglang_contract.py`). This module also owns the list of those releases (`known_versions`)
@@ -10,7 +10,7 @@ writes both files of release x; by hand:
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sg
     python -m vlmrl.rollout.sglang flags --source /tmp/sg/sglang-0.5.23-*.whl
-    (written to vlmrl/rollout/contracts/sglang-0.5.23.flags.txt, the version read from the wheel)
+    (written to vlmrl/contracts/sglang-0.5.23.flags.txt, the version read from the wheel)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONTRACTS_DIR = Path(__file__).with_name("contracts")
+CONTRACTS_DIR = Path(__file__).parent
 _CONTRACT_SUFFIX = ".json"
 _FLAGS_SUFFIX = ".flags.txt"
 
@@ -34,7 +34,7 @@ class UnknownSGLangVersion(ValueError):
     def __init__(self, version: str, known: tuple[str, ...]) -> None:
         super().__init__(
             f"vlmrl has no contract for SGLang {version} (it has contracts for {', '.join(known) or 'none'}, in "
-            f"vlmrl/rollout/contracts); generate one with `make sglang-contract SGLANG_VERSION={version}`")
+            f"vlmrl/contracts); generate one with `make sglang-contract SGLANG_VERSION={version}`")
         self.version = version
         self.known = known
 
@@ -416,7 +416,7 @@ def scan_sglang_source(source: str | Path) -> SGLangFlags:
             extra.update(longs)
     if not any(info.kind != "nocli" for info in fields.values()):
         raise ValueError(f"no ServerArgs field with a command-line flag found under {source}; "
-                         "SGLang's layout changed, update vlmrl/rollout/sglang_flags.py")
+                         "SGLang's layout changed, update vlmrl/contracts/sglang_flags.py")
     extra -= {f for info in fields.values() for f in info.flags}
     return SGLangFlags(version, dict(sorted(fields.items())), frozenset(extra))
 
