@@ -248,11 +248,11 @@ class Loop:
         if cfg.rollout.name == "sglang":
             import asyncio
 
-            from .config.layout import compute_layout, engine_bind_host, returns_routed_experts
+            from .config.layout import engine_bind_host, returns_routed_experts
             from .rollout.sglang import launch_sglang_engines
 
             self.sglang = asyncio.run(launch_sglang_engines(
-                cfg.rollout, cfg.hardware, cfg.model, compute_layout(cfg).engines(cfg), run_dir=self.run_dir,
+                cfg.rollout, cfg.hardware, cfg.model, self.placement.layout.engines(cfg), run_dir=self.run_dir,
                 placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
                 cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data,
                 host=engine_bind_host(cfg), api_key=self.engine_key,

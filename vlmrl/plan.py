@@ -14,7 +14,7 @@ from typing import Any
 
 from .cli import hydra_entry
 from .config import ConfigError, VlmrlConfig, compute_layout, config_notes, to_dataclass, validate
-from .config.layout import LOOPBACK, engine_bind_host
+from .config.layout import LOOPBACK, RANK_ORDER, engine_bind_host
 from .config.memory import (
     GIB,
     count_params,
@@ -73,7 +73,7 @@ def render_plan(cfg: VlmrlConfig) -> str:
                   f"sequence parallel {'on' if p.sequence_parallel else 'off'}; recompute "
                   f"{p.recompute_granularity or 'off'}; {cfg.hardware.name} ({cfg.hardware.train_dtype})")
 
-    table = Table(title="trainer ranks (Megatron order " + "tp-cp-ep-dp-pp" + ")")
+    table = Table(title=f"trainer ranks (Megatron order {RANK_ORDER})")
     for col in ("rank", "node", device, "tp", "cp", "dp", "pp", "ep", "etp", "edp", "also hosts"):
         table.add_column(col, justify="right")
     engines = layout.engines(cfg)

@@ -20,6 +20,7 @@ class Placement:
     group: Any  # ray.util.placement_group.PlacementGroup
     trainer_bundles: list[int]  # bundle of each trainer rank
     engine_bundles: list[int]  # bundle of each engine
+    layout: Layout | None = None  # the layout the bundles were cut from: the run's one computation of it
 
     def strategy(self, bundle: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -47,7 +48,7 @@ def create_placement(cfg: VlmrlConfig, layout: Layout, *, timeout_s: float = 600
     spec, trainer, engines = bundles(cfg, layout)
     group = placement_group(spec, strategy="PACK", name="")
     ray.get(group.ready(), timeout=timeout_s)
-    return Placement(group, trainer, engines)
+    return Placement(group, trainer, engines, layout)
 
 
 def available_cores() -> int:

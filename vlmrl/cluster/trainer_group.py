@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..config.layout import compute_layout
+from ..config.layout import Layout, compute_layout
 from ..config.schema import VlmrlConfig
 from ..training.batch import TrainSample, split_by_tokens
 from .placement import Placement
@@ -31,13 +31,15 @@ class TrainerWorker:
     # they are; True copies each into storage of its own first, as other formats need
     compact_views = False
 
-    def __init__(self, cfg: VlmrlConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(self, cfg: VlmrlConfig, rank: int, world_size: int, master_addr: str, master_port: int,
+                 layout: Layout | None = None) -> None:
         from ..logging.console import quiet_from_env
 
         quiet_from_env()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                           MASTER_PORT=str(master_port), LOCAL_RANK="0")
         self.cfg = cfg
+        self.layout = layout or compute_layout(cfg)  # the run's, where the group passes it
         self.rank = rank
         self.trainer: Any = None
 
@@ -132,8 +134,7 @@ class TrainerWorker:
                     self._http, self.node_ip(), _free_port(), backend=cfg.hardware.dist_backend))
         sources: list[list[int]] = []
         if colocate:
-            layout = compute_layout(cfg)
-            sources = wt.payload_sources(layout.trainer_devices, layout.rollout_device_offset, len(urls), tp)
+            sources = wt.payload_sources(self.layout.trainer_devices, self.layout.rollout_device_offset, len(urls), tp)
         senders = {r for ranks in sources for r in ranks}
         sent = 0
         # host seconds of this sync by phase (no device syncs added: the device work of a
@@ -295,7 +296,7 @@ class TrainerGroup:
         import ray
 
         self.cfg = cfg
-        layout = compute_layout(cfg)
+        layout = placement.layout or compute_layout(cfg)
         self.world_size = layout.trainer_world_size
         on_gpu = layout.on_gpu
         # On GPUs each rank owns one GPU; colocated engines take a share of the same GPUs.
@@ -307,12 +308,12 @@ class TrainerGroup:
                         scheduling_strategy=placement.strategy(placement.trainer_bundles[rank]))
 
         port = _free_port()
-        first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, "127.0.0.1", port)
+        first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, "127.0.0.1", port, layout)
         addr = ray.get(first.node_ip.remote()) if cfg.cluster.num_nodes > 1 else "127.0.0.1"
         if addr != "127.0.0.1":
             ray.kill(first)
-            first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, addr, port)
-        self.workers = [first] + [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, port)
+            first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, addr, port, layout)
+        self.workers = [first] + [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, port, layout)
                                   for r in range(1, self.world_size)]
         self._pending: list[Any] | None = [w.init.remote(model_path, total_steps) for w in self.workers]
         self._ranks: list[dict[str, int]] = []

@@ -3,7 +3,7 @@
 `init_parallel_state` starts torch.distributed when needed (from the usual RANK /
 WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables, or explicit arguments), installs the
 CPU shims of `compat` when CUDA is absent, creates Megatron's groups in its default
-`tp-cp-ep-dp-pp` order (the order `vlmrl.config.layout` assumes) and seeds the RNGs.
+`vlmrl.config.layout.RANK_ORDER` order (the one the layout assumes) and seeds the RNGs.
 `destroy_parallel_state` tears the Megatron groups down so one process can switch layouts
 (tests run several layouts in the same processes).
 
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config.layout import RANK_ORDER
 from ..config.schema import ParallelConfig
 from ..models import compat
 
@@ -93,7 +94,7 @@ def init_parallel_state(parallel: ParallelConfig, *, backend: str | None = None,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
         distributed_timeout_minutes=max(int(timeout_s // 60), 1),
-        order="tp-cp-ep-dp-pp",
+        order=RANK_ORDER,
         # gloo groups double the group count; CPU runs use gloo for everything anyway
         create_gloo_process_groups=compat.cuda_available(),
     )
