@@ -38,3 +38,22 @@ def test_lower_packages_import_nothing_above_them(package):
     upward = {f"{f.relative_to(PKG.parent)} imports vlmrl.{m}"
               for f in files for m in _vlmrl_imports(f, package) - ALLOWED[package]}
     assert not upward, sorted(upward)
+
+
+def test_parallel_sizes_reach_megatron_under_its_own_names():
+    """One mapping from `parallel` to Megatron's keywords, and both of Megatron's entry points
+    that take parallel sizes (the process groups and the layer config) accept every key."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    from vlmrl.config import load
+    from vlmrl.config.layout import megatron_parallel_sizes
+
+    p = load(["parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=4"], check_rules=False).parallel
+    sizes = megatron_parallel_sizes(p)
+    assert sizes["tensor_model_parallel_size"] == 2 and sizes["expert_model_parallel_size"] == 4
+    init_args = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
+    config_fields = set(TransformerConfig.__dataclass_fields__)
+    assert set(sizes) <= init_args and set(sizes) <= config_fields, (set(sizes) - init_args, set(sizes) - config_fields)

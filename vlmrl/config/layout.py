@@ -8,10 +8,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schema import VlmrlConfig
+from .schema import ParallelConfig, VlmrlConfig
 
 # Megatron's default rank order: tp varies fastest, then cp, ep/dp, pp.
 RANK_ORDER = "tp-cp-ep-dp-pp"
+
+
+def megatron_parallel_sizes(parallel: ParallelConfig) -> dict[str, int | None]:
+    """`parallel`'s sizes under the keyword names Megatron-core gives them: the same in
+    `initialize_model_parallel` and `TransformerConfig`, which both take this mapping."""
+    return {
+        "tensor_model_parallel_size": parallel.tp,
+        "pipeline_model_parallel_size": parallel.pp,
+        "virtual_pipeline_model_parallel_size": parallel.vpp,
+        "context_parallel_size": parallel.cp,
+        "expert_model_parallel_size": parallel.ep,
+        "expert_tensor_parallel_size": parallel.etp,
+    }
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config.layout import megatron_parallel_sizes
 from ..config.schema import ModelConfig, ParallelConfig
 from . import compat, families
 
@@ -64,12 +65,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, params_d
         attention_output_gate=lm.attention_output_gate,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        **megatron_parallel_sizes(parallel),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

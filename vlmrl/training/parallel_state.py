@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config.layout import RANK_ORDER
+from ..config.layout import RANK_ORDER, megatron_parallel_sizes
 from ..config.schema import ParallelConfig
 from ..models import compat
 
@@ -87,12 +87,7 @@ def init_parallel_state(parallel: ParallelConfig, *, backend: str | None = None,
     if world % model_parallel:
         raise ValueError(f"world size {world} is not a multiple of tp*pp*cp = {model_parallel}")
     mps.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        **megatron_parallel_sizes(parallel),
         distributed_timeout_minutes=max(int(timeout_s // 60), 1),
         order=RANK_ORDER,
         # gloo groups double the group count; CPU runs use gloo for everything anyway
