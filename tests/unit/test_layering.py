@@ -1,6 +1,7 @@
-"""Imports run one way, from the loop down to the maths: the config (schema, validation,
-layout, memory plan) and the SGLang contracts below it import nothing from the packages that
-use them. Every import counts, those inside functions too."""
+"""How the package is layered: imports run one way, from the loop down to the maths (the config
+(schema, validation, layout, memory plan) and the SGLang contracts below it import nothing from
+the packages that use them; every import counts, those inside functions too), and the parallel
+sizes reach Megatron through one mapping."""
 
 from __future__ import annotations
 
