@@ -47,7 +47,8 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
     from vlmrl.cluster.ray_cluster import ray_cluster
     from vlmrl.cluster.trainer_group import TrainerGroup
     from vlmrl.config.layout import compute_layout
-    from vlmrl.loop import Loop, rollout_prompt, sft_samples, train_samples
+    from vlmrl.experience import rollout_prompt, sft_samples, train_samples
+    from vlmrl.loop import Loop
 
     cfg = _config(tmp_path, cache_dir, ["logger.jsonl=false", f"model={model}"])
     loop = Loop(cfg)

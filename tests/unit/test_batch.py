@@ -90,11 +90,11 @@ def test_context_parallel_split_keeps_every_trained_token_once():
 def test_untrainable_samples_are_left_out_and_counted_by_reason(monkeypatch):
     from types import SimpleNamespace
 
-    import vlmrl.data.prompts
-    from vlmrl.loop import train_samples
+    import vlmrl.experience
+    from vlmrl.experience import train_samples
 
     # the prompt encoding belongs to the data layer (tested there): fixed prompt ids here
-    monkeypatch.setattr(vlmrl.data.prompts, "encode_prompt", lambda processor, prompt: {
+    monkeypatch.setattr(vlmrl.experience, "encode_prompt", lambda processor, prompt: {
         "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
 
     def record(i: int, ids: list[int], prompt_ids: list[int] | None = None) -> SimpleNamespace:
@@ -136,11 +136,11 @@ def test_engine_experts_travel_with_their_samples(monkeypatch):
     and padding), and the context-parallel shares hold every row once."""
     from types import SimpleNamespace
 
-    import vlmrl.data.prompts
-    from vlmrl.loop import train_samples
+    import vlmrl.experience
+    from vlmrl.experience import train_samples
     from vlmrl.rollout.protocol import encode_routed_experts
 
-    monkeypatch.setattr(vlmrl.data.prompts, "encode_prompt", lambda processor, prompt: {
+    monkeypatch.setattr(vlmrl.experience, "encode_prompt", lambda processor, prompt: {
         "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
     layers, k = 2, 2
 

@@ -1,0 +1,110 @@
+"""Experience: what the rollout engines produced, turned into what the trainer trains on.
+
+A step's rollout records (prompt, generated tokens, their logprobs and, with an MoE, the
+experts each token went through) become packed-ready `TrainSample`s with the processor's
+prompt tokens in front, exactly as the engine saw them; SFT prompts become supervised samples;
+a rollout's records give its metrics. Samples that cannot be trained on are left out and
+counted by reason. No engine, trainer or Ray here: data in, data out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .data.images import encode_data_uri
+from .data.prompts import Prompt, encode_prompt, encode_prompt_response
+from .data.sft import sft_response
+from .logging import keys as mk
+from .rollout.manager import RolloutPrompt, SampleRecord
+from .rollout.protocol import decode_routed_experts
+from .training.batch import TrainSample
+
+log = logging.getLogger(__name__)
+
+
+def rollout_prompt(prompt: Prompt) -> RolloutPrompt:
+    """A dataset prompt as the rollout engines take it: images as data URIs."""
+    return RolloutPrompt(index=prompt.index, prompt_text=prompt.prompt_text,
+                         images=tuple(encode_data_uri(im) for im in prompt.images), answer=prompt.answer)
+
+
+def train_samples(processor: Any, prompts: Mapping[int, Prompt], records: Sequence[SampleRecord],
+                  advantages: Sequence[float], *, routing: tuple[int, int] | None = None,
+                  replay: bool = False) -> tuple[list[TrainSample], dict[str, int]]:
+    """TrainSamples of rollout records: the processor's prompt tokens (image placeholders
+    expanded exactly as in rollout) followed by the generated tokens. A generated token is
+    text to the trainer as it was to the engine, the image token's id included
+    (`TrainSample.prompt_len`).
+
+    With `routing` (layers, top-k: the engines report each token's experts) a sample carries
+    them (`TrainSample.routed_experts`, [tokens - 1, layers, top-k]).
+
+    Samples that cannot be trained on are left out and counted by reason (second return
+    value): `prompt_mismatch` (the engine tokenised the prompt differently from the trainer:
+    other image pixel bounds or chat template; its logprobs belong to another sequence);
+    `bad_routed_experts` (the engine's experts do not decode to [tokens - 1, layers, top-k]);
+    with `replay`, `no_routed_experts` (the engine reported none: replay could not hold)."""
+    encoded: dict[int, dict[str, Any]] = {}
+    out = []
+    skipped = {"prompt_mismatch": 0, "bad_routed_experts": 0, "no_routed_experts": 0}
+    for rec, adv in zip(records, advantages):
+        if rec.prompt_index not in encoded:
+            encoded[rec.prompt_index] = encode_prompt(processor, prompts[rec.prompt_index])
+        enc = encoded[rec.prompt_index]
+        ids, resp = enc["input_ids"], list(rec.response_ids)
+        if rec.prompt_ids is not None and list(rec.prompt_ids) != ids:
+            if not skipped["prompt_mismatch"]:
+                log.warning("row %s: the engine tokenised the prompt into %d tokens, the trainer into %d (check "
+                            "data.min_pixels/max_pixels and the chat template); skipping such samples",
+                            rec.prompt_index, len(rec.prompt_ids), len(ids))
+            skipped["prompt_mismatch"] += 1
+            continue
+        if not resp:
+            continue
+        experts = None
+        if routing is not None and rec.routed_experts is not None:
+            layers, topk = routing
+            try:
+                flat = decode_routed_experts(rec.routed_experts, tokens=len(ids) + len(resp), layers=layers, topk=topk)
+            except ValueError as e:
+                if not skipped["bad_routed_experts"]:
+                    log.warning("row %s: %s; skipping such samples", rec.prompt_index, e)
+                skipped["bad_routed_experts"] += 1
+                continue
+            experts = torch.tensor(flat, dtype=torch.int16).view(-1, layers, topk)
+        elif replay:
+            if not skipped["no_routed_experts"]:
+                log.warning("row %s: the engine reported no routed experts (algo.routing_replay needs them; "
+                            "SGLang: --enable-return-routed-experts); skipping such samples", rec.prompt_index)
+            skipped["no_routed_experts"] += 1
+            continue
+        out.append(TrainSample(
+            input_ids=ids + resp, loss_mask=[0.0] * len(ids) + [1.0] * len(resp),
+            pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"], advantage=float(adv),
+            rollout_logprobs=list(rec.logprobs) if rec.logprobs is not None else None, routed_experts=experts))
+    return out, skipped
+
+
+def sft_samples(processor: Any, prompts: Sequence[Prompt]) -> list[TrainSample]:
+    """Supervised samples: each prompt followed by its `Answer: \\boxed{<answer>}` target."""
+    out = []
+    for p in prompts:
+        enc = encode_prompt_response(processor, p, sft_response(p.answer))
+        out.append(TrainSample(input_ids=enc["input_ids"], loss_mask=[float(m) for m in enc["loss_mask"]],
+                               pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"]))
+    return out
+
+
+def rollout_metrics(records: Sequence[SampleRecord], rewards: Sequence[float]) -> dict[str, float]:
+    """A rollout's reward, accuracy, response length and truncation."""
+    n = max(len(records), 1)
+    return {
+        mk.ROLLOUT_RAW_REWARD: sum(rewards) / max(len(rewards), 1),
+        mk.ROLLOUT_ACCURACY: sum(1.0 for r in rewards if r >= 1.0) / max(len(rewards), 1),
+        mk.ROLLOUT_RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in records) / n,
+        mk.ROLLOUT_TRUNCATED_RATIO: sum(r.truncated for r in records) / n,
+    }
