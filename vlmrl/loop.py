@@ -97,8 +97,8 @@ class Loop:
         self._data_before_next: dict[str, int] | None = None
         self.engine_version: str | None = None  # the weight_version last synced to the engines
         self._trained_since_sync = False
-        self.engine_restarts = 0
         self.engine_key: str | None = None  # the run's engine key (HTTP engines; vlmrl.rollout.auth)
+        self.engine_group: Any = None  # vlmrl.cluster.engine_group.EngineGroup, once started
         self.model_path: str | None = None
         # colocated: who holds the GPUs' memory in each phase (None when nothing is shared)
         self.colo: Any = None
@@ -142,42 +142,17 @@ class Loop:
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:
+        from .cluster.engine_group import EngineGroup
+        from .config.layout import returns_routed_experts
         from .rollout.manager import RolloutManager
 
         cfg = self.cfg
-        if cfg.rollout.name == "sglang" or cfg.rollout.embedded.serve_http:
-            from .rollout.auth import run_key
-
-            # the run's engine key: every engine refuses callers without it (kept out of the config)
-            self.engine_key = run_key(self.run_dir)
-        if cfg.rollout.name == "sglang":
-            import asyncio
-
-            from .config.layout import engine_bind_host, returns_routed_experts
-            from .rollout.sglang import launch_sglang_engines
-
-            self.sglang = asyncio.run(launch_sglang_engines(
-                cfg.rollout, cfg.hardware, cfg.model, self.placement.layout.engines(cfg), run_dir=self.run_dir,
-                placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
-                cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data,
-                host=engine_bind_host(cfg), api_key=self.engine_key,
-                return_routed_experts=returns_routed_experts(cfg)))
-            print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
-                  f"{', '.join(e.base_url for e in self.sglang.engines)}")
-            engines = self.sglang.generation  # the router when there is one
-            self.admin_engines = self.sglang.engines  # every server: memory, cache, weights
-            self.engine_actors = [e.base_url for e in self.sglang.engines]  # weight-sync targets
-        else:
-            self._embedded = [self._new_embedded_actor(0)]
-            target, engine = self._embedded_endpoint(0)
-            self.engine_actors, engines = [target], [engine]
-            self.admin_engines = engines
-        self.engines = engines
+        self.engine_group = group = EngineGroup(cfg, self.placement, self.model_path, self.run_dir)
+        group.start()
+        self.engine_key = group.key
+        engines = group.generation
         progress = cfg.logger.progress
-        # a restart needs the engines themselves (not a router) to be the generation targets
-        restart = self._restart_engine if engines is self.admin_engines else None
-        from .config.layout import returns_routed_experts
-
+        restart = self._restart_engine if group.can_restart else None
         # (layers, top-k) of the experts the engines report with each sample, or None
         self._routing = ((cfg.model.lm.num_layers, cfg.model.lm.moe_router_topk)
                          if returns_routed_experts(cfg) else None)
@@ -187,88 +162,30 @@ class Loop:
         self.evaluator = RolloutManager.from_config(engines, cfg.rollout, n_samples=1, seed=cfg.seed,
                                                     progress=progress, eval_mode=True, restart_engine=restart)
 
-    def _new_embedded_actor(self, i: int) -> Any:
-        from .cluster.placement import available_cores, cpu_threads
-        from .rollout.embedded import create_embedded_actor
-
-        cfg = self.cfg
-        return create_embedded_actor(
-            self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name=f"embedded-{i}",
-            scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[i]),
-            torch_threads=cpu_threads(cfg, "engine", available_cores()),
-            min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
-            max_batch_size=cfg.rollout.embedded.max_batch_size, sglang_version=cfg.rollout.embedded.sglang_version)
-
-    def _embedded_endpoint(self, i: int) -> tuple[Any, Any]:
-        """(weight-sync target, Engine) of embedded engine i: its actor and direct Ray calls,
-        or, with rollout.embedded.serve_http, its server's URL and the SGLang client."""
-        from .rollout.embedded import RayEngine
-
-        cfg, actor = self.cfg, self._embedded[i]
-        if not cfg.rollout.embedded.serve_http:
-            return actor, RayEngine(actor, f"embedded-{i}")
-        import ray
-
-        from .rollout.client import HTTPEngine
-
-        url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port,
-                                              self.engine_key))
-        return url, HTTPEngine(url, name=f"embedded-{i}", max_concurrency=cfg.rollout.max_in_flight,
-                               timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
-                               drain_timeout_s=cfg.rollout.sglang.drain_timeout_s, api_key=self.engine_key)
-
     async def _restart_engine(self, i: int) -> None:
-        import asyncio
+        await self.engine_group.restart(i, after=self._resync_restarted)
 
-        from .rollout.manager import close_sessions
-
-        await close_sessions([self.engines[i]])  # the dead server's connections, on this event loop
-        await asyncio.to_thread(self._restart_engine_now, i)
-
-    def _restart_engine_now(self, i: int) -> None:
-        """Bring engine i back after its process died: a new embedded actor (or a new SGLang
-        process in the same actor, same port), then the trainer's current weights, so the
-        retried requests are sampled from the policy being trained."""
-        import ray
-
-        cfg = self.cfg
-        http = cfg.rollout.name == "sglang" or cfg.rollout.embedded.serve_http
-        if cfg.rollout.name == "sglang":
-            actor = self.sglang.actors[i]
-            ray.get(actor.stop.remote())
-            ray.get(actor.start.remote())
-            ray.get(actor.wait_healthy.remote(cfg.rollout.sglang.startup_timeout_s))
-            self.admin_engines[i].rebase(self.admin_engines[i].base_url)  # a new server: all its memory, no gate
-        else:
-            try:
-                ray.kill(self._embedded[i], no_restart=True)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
-            self._embedded[i] = self._new_embedded_actor(i)
-            target, _ = self._embedded_endpoint(i)  # the existing client is pointed at it
-            if http:
-                self.engines[i].rebase(target)
-            else:
-                self.engines[i].actor = target
-            self.engine_actors[i] = target
-        self.engine_restarts += 1
+    def _resync_restarted(self, i: int) -> None:
+        """Give a restarted engine the trainer's current weights, so the retried requests are
+        sampled from the policy being trained."""
+        group, cfg = self.engine_group, self.cfg
         if self.engine_version is None:
             return  # nothing synced yet: the checkpoint it loaded is the trainer's starting point
         version = self.engine_version + ("+" if self._trained_since_sync else "")
         bucket = max(int(cfg.rollout.weight_update_bucket_mb), 1) << 20
-        targets = self.engine_actors if http else [self.engine_actors[i]]
+        targets = group.sync_targets if group.http else [group.sync_targets[i]]
         offloaded = self.colo is not None and not self.colo.now.trainer
         if offloaded:
             # the new server holds all its memory: it gives back its KV cache and graphs while
             # the trainer comes back on the GPU to send it the current weights (the other engines
             # keep theirs: with several colocated engines the onload needs room beside them)
-            self._engines_call("release_memory_occupation", ["kv_cache", "cuda_graph"], only=i)
+            group.call("release_memory_occupation", ["kv_cache", "cuda_graph"], only=i)
             self.trainer.onload()
-        self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=http,
-                                  api_key=self.engine_key)
+        self.trainer.sync_weights(targets, bucket_bytes=bucket, weight_version=version, reset_links=group.http,
+                                  api_key=group.key)
         if offloaded:
             self.trainer.offload()
-            self._engines_call("resume_memory_occupation", ["cuda_graph", "kv_cache"], only=i)
+            group.call("resume_memory_occupation", ["cuda_graph", "kv_cache"], only=i)
 
     # ------------------------------------------------------------ checkpoints
     def _resume_from(self) -> Path | None:
@@ -306,28 +223,8 @@ class Loop:
         return path
 
     def _stop_engines(self) -> None:
-        """SGLang servers are processes of their actors: stop them before Ray goes down."""
-        if getattr(self, "sglang", None) is not None:
-            import asyncio
-
-            asyncio.run(self.sglang.shutdown())
-            self.sglang = None
-
-    def _engines_call(self, method: str, *args: Any, only: int | None = None) -> None:
-        """`method(*args)` on every engine's admin client (`only`: on engine `only` alone)."""
-        import asyncio
-
-        from .rollout.manager import close_sessions
-
-        engines = self.admin_engines if only is None else [self.admin_engines[only]]
-
-        async def call_all() -> None:
-            try:
-                await asyncio.gather(*(getattr(e, method)(*args) for e in engines))
-            finally:
-                await close_sessions(engines)
-
-        asyncio.run(call_all())
+        if self.engine_group is not None:
+            self.engine_group.stop()
 
     # ------------------------------------------------------------ colocation
     def _phase_memory(self, phase: str) -> None:
@@ -370,20 +267,6 @@ class Loop:
         self.memory_problems = self.memory_problems or problems
         return out
 
-    def _release_engines(self, tags: tuple[str, ...]) -> None:
-        """Engines give back `tags` (each drains its requests first); a router in front of
-        them stops taking requests too."""
-        for e in self.engines:
-            if e not in self.admin_engines and hasattr(e, "hold"):
-                e.hold(tags)
-        self._engines_call("release_memory_occupation", list(tags))
-
-    def _resume_engines(self, tags: tuple[str, ...]) -> None:
-        self._engines_call("resume_memory_occupation", list(tags))
-        for e in self.engines:
-            if e not in self.admin_engines and hasattr(e, "unhold"):
-                e.unhold(tags)
-
     def _phase(self, name: str) -> None:
         """Colocated: move device memory to phase `name` (see vlmrl.cluster.colocation)."""
         if self.colo is not None:
@@ -399,7 +282,7 @@ class Loop:
         self._phase("sync")
         t0 = time.perf_counter()
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
-        self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_actors, bucket_bytes=bucket,
+        self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_group.sync_targets, bucket_bytes=bucket,
                                                              weight_version=version, api_key=self.engine_key) or 0)
         self.engine_version = version  # every sample generated from now on should report it
         self._trained_since_sync = False
@@ -593,7 +476,7 @@ class Loop:
                 from .cluster.colocation import Colocation
                 from .config.memory import trainer_offload
 
-                self.colo = Colocation(release=self._release_engines, resume=self._resume_engines,
+                self.colo = Colocation(release=self.engine_group.release, resume=self.engine_group.resume,
                                        offload=trainer_offload(cfg))
                 self.colo.to("train")
             self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,

@@ -76,7 +76,7 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
         diff = max(float((a - b).abs().max()) for a, b in zip(trainer_lp, export_lp))
         assert diff <= 1e-5, diff
         trainer.shutdown()
-        ray.get([a.close.remote() for a in loop.engine_actors])
+        ray.get([a.close.remote() for a in loop.engine_group.sync_targets])
     loop.pool.close()
     # the cluster's short socket-path link in /tmp went with it
     ray_dir = str((tmp_path / "ray").resolve())
@@ -311,7 +311,7 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, ca
             import urllib.error
             import urllib.request
 
-            for url in self.engine_actors:
+            for url in self.engine_group.sync_targets:
                 for path in ("/release_memory_occupation", "/update_weights_from_tensor", "/generate"):
                     req = urllib.request.Request(url + path, data=b"{}", headers={"Content-Type": "application/json"})
                     try:

@@ -1,0 +1,177 @@
+"""The run's rollout engines, the twin of `TrainerGroup`: start, restart, release, resume, stop.
+
+Either SGLang servers (one per engine, each in a Ray actor in its placement-group bundle,
+launched by `vlmrl.rollout.sglang`) or embedded engines (Ray actors, called directly or over
+SGLang's HTTP protocol with `rollout.embedded.serve_http`). Three views of them:
+
+- `generation`: where rollouts send requests (SGLang's router when there is one);
+- `admin`: every server, for memory, cache and weight calls;
+- `sync_targets`: what the trainer's weight sync addresses (actors or URLs).
+
+The group restarts an engine's process and points the clients at it; giving the new engine
+the policy's current weights is the loop's part (`restart`'s `after`), since only the loop
+knows which weights are current and where the trainer's state is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config.layout import engine_bind_host, returns_routed_experts
+from ..config.schema import VlmrlConfig
+from ..rollout.manager import close_sessions
+from .placement import Placement, available_cores, cpu_threads
+
+
+class EngineGroup:
+    def __init__(self, cfg: VlmrlConfig, placement: Placement, model_path: str, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.placement = placement
+        self.model_path = model_path
+        self.run_dir = Path(run_dir)
+        self.http = cfg.rollout.name == "sglang" or cfg.rollout.embedded.serve_http
+        self.key: str | None = None  # the run's engine key (HTTP engines; vlmrl.rollout.auth)
+        self.sglang: Any = None  # vlmrl.rollout.sglang.SGLangEngines
+        self._embedded: list[Any] = []  # embedded engines' Ray actors
+        self.generation: list[Any] = []
+        self.admin: list[Any] = []
+        self.sync_targets: list[Any] = []
+        self.restarts = 0
+
+    # ------------------------------------------------------------ start and stop
+    def start(self) -> None:
+        cfg = self.cfg
+        if self.http:
+            from ..rollout.auth import run_key
+
+            # every engine refuses callers without the run's key (kept out of the config)
+            self.key = run_key(self.run_dir)
+        if cfg.rollout.name == "sglang":
+            from ..rollout.sglang import launch_sglang_engines
+
+            layout = self.placement.layout
+            assert layout is not None, "the placement carries the run's layout"
+            self.sglang = asyncio.run(launch_sglang_engines(
+                cfg.rollout, cfg.hardware, cfg.model, layout.engines(cfg), run_dir=self.run_dir,
+                placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
+                cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data,
+                host=engine_bind_host(cfg), api_key=self.key, return_routed_experts=returns_routed_experts(cfg)))
+            print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
+                  f"{', '.join(e.base_url for e in self.sglang.engines)}")
+            self.generation = list(self.sglang.generation)  # the router when there is one
+            self.admin = list(self.sglang.engines)
+            self.sync_targets = [e.base_url for e in self.sglang.engines]
+        else:
+            self._embedded = [self._new_embedded_actor(0)]
+            target, engine = self._embedded_endpoint(0)
+            self.sync_targets, self.generation = [target], [engine]
+            self.admin = self.generation
+
+    def stop(self) -> None:
+        """SGLang servers are processes of their actors: stop them before Ray goes down."""
+        if self.sglang is not None:
+            asyncio.run(self.sglang.shutdown())
+            self.sglang = None
+
+    @property
+    def can_restart(self) -> bool:
+        """A restart needs the engines themselves (not a router) to be the generation targets."""
+        return self.generation is self.admin or list(self.generation) == list(self.admin)
+
+    # ------------------------------------------------------------ embedded engines
+    def _new_embedded_actor(self, i: int) -> Any:
+        from ..rollout.embedded import create_embedded_actor
+
+        cfg = self.cfg
+        return create_embedded_actor(
+            self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name=f"embedded-{i}",
+            scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[i]),
+            torch_threads=cpu_threads(cfg, "engine", available_cores()),
+            min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
+            max_batch_size=cfg.rollout.embedded.max_batch_size, sglang_version=cfg.rollout.embedded.sglang_version)
+
+    def _embedded_endpoint(self, i: int) -> tuple[Any, Any]:
+        """(weight-sync target, Engine) of embedded engine i: its actor and direct Ray calls,
+        or, with rollout.embedded.serve_http, its server's URL and the SGLang client."""
+        import ray
+
+        from ..rollout.client import HTTPEngine
+        from ..rollout.embedded import RayEngine
+
+        cfg, actor = self.cfg, self._embedded[i]
+        if not cfg.rollout.embedded.serve_http:
+            return actor, RayEngine(actor, f"embedded-{i}")
+        url = ray.get(actor.start_http.remote(cfg.rollout.embedded.host, cfg.rollout.embedded.port, self.key))
+        return url, HTTPEngine(url, name=f"embedded-{i}", max_concurrency=cfg.rollout.max_in_flight,
+                               timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
+                               drain_timeout_s=cfg.rollout.sglang.drain_timeout_s, api_key=self.key)
+
+    # ------------------------------------------------------------ restart
+    async def restart(self, i: int, after: Callable[[int], None] | None = None) -> None:
+        """Bring engine i back after its process died (a rollout's `restart_engine`): close the
+        dead server's connections on this event loop, start a new process, then `after(i)`
+        (the loop's re-sync of the current weights), both off the event loop."""
+        await close_sessions([self.generation[i]])
+
+        def now() -> None:
+            self.restart_process(i)
+            if after is not None:
+                after(i)
+
+        await asyncio.to_thread(now)
+
+    def restart_process(self, i: int) -> None:
+        """A new embedded actor, or a new SGLang process in the same actor (same port); the
+        existing clients are pointed at it."""
+        import ray
+
+        cfg = self.cfg
+        if cfg.rollout.name == "sglang":
+            actor = self.sglang.actors[i]
+            ray.get(actor.stop.remote())
+            ray.get(actor.start.remote())
+            ray.get(actor.wait_healthy.remote(cfg.rollout.sglang.startup_timeout_s))
+            self.admin[i].rebase(self.admin[i].base_url)  # a new server: all its memory, no gate
+        else:
+            try:
+                ray.kill(self._embedded[i], no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            self._embedded[i] = self._new_embedded_actor(i)
+            target, _ = self._embedded_endpoint(i)
+            if self.http:
+                self.generation[i].rebase(target)
+            else:
+                self.generation[i].actor = target
+            self.sync_targets[i] = target
+        self.restarts += 1
+
+    # ------------------------------------------------------------ memory and admin calls
+    def call(self, method: str, *args: Any, only: int | None = None) -> None:
+        """`method(*args)` on every engine's admin client (`only`: on engine `only` alone)."""
+        engines = self.admin if only is None else [self.admin[only]]
+
+        async def call_all() -> None:
+            try:
+                await asyncio.gather(*(getattr(e, method)(*args) for e in engines))
+            finally:
+                await close_sessions(engines)
+
+        asyncio.run(call_all())
+
+    def release(self, tags: Sequence[str]) -> None:
+        """Engines give back `tags` (each drains its requests first); a router in front of
+        them stops taking requests too."""
+        for e in self.generation:
+            if e not in self.admin and hasattr(e, "hold"):
+                e.hold(tuple(tags))
+        self.call("release_memory_occupation", list(tags))
+
+    def resume(self, tags: Sequence[str]) -> None:
+        self.call("resume_memory_occupation", list(tags))
+        for e in self.generation:
+            if e not in self.admin and hasattr(e, "unhold"):
+                e.unhold(tuple(tags))
