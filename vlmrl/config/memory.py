@@ -319,20 +319,17 @@ def layer_activation_bytes(cfg: VlmrlConfig, kind: str, longest: int | None = No
 
 
 def moe_backward_bytes(cfg: VlmrlConfig, tokens: float) -> float:
-    """What the backward of one MoE block allocates beyond what its forward kept, for `tokens`
-    tokens of this rank (0 for dense models): the gradients of the dispatched tokens, of fc1's
-    output, of the activation (float32 where the router weight scaled it) and of the combined
-    output; and the gradient of the local experts' weights in their dtype, one [E, 3 I, H]
-    tensor per layer (the grouped GEMM's, or the unbind's on the CPU), which Megatron then
-    adds into its float32 gradient buffer. The training peak is reached here, in the last
-    layer's MoE block, where the logits' gradients are already gone."""
+    """What the backward of one MoE block allocates beyond what its forward kept, at its peak,
+    for `tokens` tokens of this rank (0 for dense models): the gradient of the local experts'
+    fused [gate; up] weights in their dtype, one [E, 2 I, H] tensor (the grouped GEMM's;
+    Megatron adds it into its float32 gradient buffer and frees it), with the gradients of
+    fc1's output and of the dispatched tokens (top-k rows per token) live beside it. The
+    training peak is reached here, in the last layer's MoE block, the logits' gradients gone."""
     if not is_moe_model(cfg):
         return 0.0
     lm, p, a = cfg.model.lm, cfg.parallel, _act_bytes(cfg)
     h, ffn, k = lm.hidden_size, lm.moe_ffn_hidden_size / p.etp, lm.moe_router_topk
-    per_token = k * (h + 4 * ffn) * a + k * ffn * F32 + 2 * h * a
-    weight_grad = lm.num_experts / p.ep * 3 * ffn * h * a
-    return per_token * tokens + weight_grad
+    return lm.num_experts / p.ep * 2 * ffn * h * a + tokens * k * (h + 2 * ffn) * a
 
 
 def head_activation_bytes(cfg: VlmrlConfig) -> float:
