@@ -363,3 +363,102 @@ def near_tie_router_worker(rank: int, world_size: int, tokens: int) -> dict[str,
         chosen = routing_map.int().topk(lm.moe_router_topk, dim=1).indices
         out[precision] = int(routing.topk_sets_differ(chosen, hf_experts).sum())
     return out
+
+
+def activation_bytes_worker(rank: int, world_size: int, overrides: list[str],
+                            packs: list[tuple[int, ...]]) -> dict[str, Any]:
+    """What the language model's layers keep for their backward, measured: for each packed
+    micro-batch of sample lengths in `packs`, the bytes of the tensors autograd saves
+    (`saved_tensors_hooks`; storages counted once, parameters not at all) per token, by layer
+    kind and part ("linear_attention/mixer", "full_attention/norms", ..., averaged over the
+    layers of a kind) and "head" (final norm, output layer, the trainer's log-softmax loss).
+    Then one MoE block alone on the first pack: what its backward allocates beyond what was
+    live when it started ("moe_backward", bytes, from the profiler's allocation events; each
+    weight gradient dropped once accumulated, as Megatron's gradient buffer takes it)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from vlmrl.config import load
+    from vlmrl.config.schema import ParallelConfig
+    from vlmrl.models.bridge import DTYPES, build_model
+    from vlmrl.training.batch import TrainSample, build_micro_batch
+    from vlmrl.training.logprobs import logprobs_and_entropy
+    from vlmrl.training.parallel_state import init_parallel_state
+
+    init_parallel_state(ParallelConfig(), backend="gloo", seed=0)
+    cfg = load(overrides, check_rules=False)
+    model, dtype = cfg.model, DTYPES[cfg.hardware.train_dtype]
+    chunk = build_model(model, ParallelConfig(), params_dtype=dtype, fused_kernels=cfg.hardware.fused_kernels,
+                        gdn_backend=cfg.hardware.gdn_backend)[0].train()
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    for p in chunk.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    types = list(model.lm.layer_types) or ["full_attention"] * model.lm.num_layers
+    where = ["other"]
+
+    def enter(name: str) -> Any:
+        return lambda module, args: where.append(name)
+
+    def leave(module: Any, args: Any, out: Any) -> None:
+        where.pop()
+
+    layers = chunk.language_model.decoder.layers
+    for i, layer in enumerate(layers):
+        for attr, part in (("input_layernorm", "norms"), ("pre_mlp_layernorm", "norms"),
+                           ("self_attention", "mixer"), ("mlp", "mlp")):
+            sub = getattr(layer, attr)
+            sub.register_forward_pre_hook(enter(f"{types[i]}/{part}"))
+            sub.register_forward_hook(leave)
+    for sub in (chunk.language_model.decoder.final_layernorm, chunk.language_model.output_layer):
+        sub.register_forward_pre_hook(enter("head"))
+        sub.register_forward_hook(leave)
+
+    gen = torch.Generator().manual_seed(0)
+    first_plain = max(model.image_token_id, model.vision_start_token_id or 0, model.vision_end_token_id or 0) + 1
+    out: dict[str, Any] = {"packs": []}
+    for lens in packs:
+        samples = [TrainSample(input_ids=torch.randint(first_plain, model.lm.vocab_size, (n,), generator=gen).tolist(),
+                               loss_mask=[0.0] + [1.0] * (n - 1)) for n in lens]
+        mb = build_micro_batch(samples, image_token_id=model.image_token_id, spatial_merge_size=2)
+        total = sum(lens)
+        seen: set[int] = set()
+        saved: dict[str, float] = {}
+
+        def pack(t: torch.Tensor, seen: set[int] = seen, saved: dict[str, float] = saved) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                saved[where[-1]] = saved.get(where[-1], 0) + storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = chunk(mb.packed, None).reshape(total, -1)
+            where.append("head")
+            logp, entropy = logprobs_and_entropy(logits, mb.targets, with_entropy=True)
+            loss = -(logp * mb.loss_mask).sum() - 0.01 * entropy.sum()
+            where.pop()
+        del logits
+        loss.backward()
+        per = {k: v / total / (types.count(k.split("/")[0]) if "/" in k else 1) for k, v in saved.items()}
+        out["packs"].append({"lens": list(lens), "tokens": total, "per_token": per})
+
+    moe = next(layer.mlp for layer in layers)
+    x = torch.randn(sum(packs[0]), 1, model.lm.hidden_size, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(x.shape, generator=gen).to(dtype)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = moe(x)[0]
+        with record_function("moe_backward"):
+            y.backward(grad)
+    events = list(prof.profiler.kineto_results.events())
+    start = min(e.start_ns() for e in events if e.name() == "moe_backward")
+    live, at_start, peak = 0, None, 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if at_start is None and e.start_ns() >= start:
+            at_start = peak = live
+        live += e.nbytes()
+        if at_start is not None:
+            peak = max(peak, live)
+    out["moe_backward"] = peak - at_start
+    out["moe_tokens"] = x.shape[0]
+    return out

@@ -263,17 +263,21 @@ def test_plan_holds_the_tiny_h200_runs_within_ten_percent(variant, overrides):
         assert compare_phase_memory(est, measured) == [], (variant, step)
 
 
-def test_plan_holds_the_scaled_h200_run_outside_training():
-    """The scaled 2.88B run (5 steps): its rollout and sync are within 10% of the plan. Its train
-    phase is not yet: the trainer measured 69-71 GiB against a planned 55.8 (bench/results/sglang.md)."""
+def test_plan_holds_the_scaled_h200_run_within_ten_percent():
+    """The scaled 2.88B run (5 steps): every phase within 10% of the plan, and the train phase's
+    trainer part (its peak reserved bytes, 69.4-71.3 GiB) too: its weights, gradients and Adam
+    state (48.2 GiB) with the activations of a 4096-token micro-batch, ~20 GiB (the torch Gated
+    DeltaNet path's float32 recurrence is 1.4 GiB a layer of them, `layer_activation_bytes`)."""
     import json
 
-    est = phase_estimates(_cfg(*H200_SCALED))
+    cfg = _cfg(*H200_SCALED)
+    est = phase_estimates(cfg)
+    trainer = phase_estimate_split(cfg)["train"]["trainer"]
     rows = [json.loads(line) for line in
             (RESULTS / "sglang-h200-20261204-0945-scaled-memory-split-metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "memory/rollout_gib" in r]
     assert len(steps) == 5
     for r in steps:
-        measured = {ph: r[f"memory/{ph}_gib"] * GIB for ph in ("rollout", "sync")}
+        measured = {ph: r[f"memory/{ph}_gib"] * GIB for ph in ("rollout", "train", "sync")}
         assert compare_phase_memory(est, measured) == [], r["step"]
-        assert compare_phase_memory(est, {"train": r["memory/train_gib"] * GIB})  # the open gap
+        assert compare_phase_memory({"train": trainer}, {"train": r["memory/train_trainer_gib"] * GIB}) == [], r["step"]

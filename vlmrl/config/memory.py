@@ -3,9 +3,11 @@
 Pure arithmetic (standard library only) used by the plan command. The estimate follows
 Megatron's layout: dense weights split over TP and PP stages, experts over EP x ETP,
 distributed-optimizer state over the data-parallel group (expert state over the expert
-data-parallel group), and activations for one micro-batch per layer (Korthikanti et al.'s
-34*s*h bytes per layer for a transformer layer with flash/SDPA attention, divided by TP
-with sequence parallel; full recompute keeps only each layer's input).
+data-parallel group), and activations for one micro-batch: what each layer's code keeps for
+its backward, per part (norms, Gated DeltaNet or attention, MLP or MoE block) and per token,
+counted from the code and held to the real layers' saved tensors by a CPU test, plus the
+backward's own peak (the last MoE block's gradients, or the logits' gradient); full
+recompute keeps only each layer's input.
 
 `phase_memory` adds, for layouts where trainer and engines share GPUs, the peak of each
 phase of a step on one GPU (rollout, logprob recompute, train, weight sync), each as its
@@ -175,6 +177,170 @@ def sequence_length(cfg: VlmrlConfig) -> int:
     return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
 
 
+# --------------------------------------------------------------------------- activations
+# What each part of a decoder layer keeps for its backward, in bytes per token of a
+# micro-batch: the tensors its eager code saves (autograd's saved tensors), counted from the
+# code and measured on the real layers in bf16 (tests/integration/test_activation_memory.py
+# holds these formulas to the layers' saved tensors). F32 is the float32 of the parts that
+# compute in float32 whatever the train dtype: RMSNorm statistics, the torch Gated DeltaNet
+# recurrence, its gated norm, the router, the log-softmax.
+F32 = 4
+
+
+def gdn_chunk_size(longest: int) -> int:
+    """The chunk the torch Gated DeltaNet path picks for packed samples whose longest has
+    `longest` tokens (`vlmrl.models.gated_delta.chunk_size`; the integration test holds them
+    equal)."""
+    return min(64, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token one decoder layer keeps for its backward, as named parts."""
+
+    norms: float  # the input and pre-MLP RMSNorms
+    mixer: float  # the Gated DeltaNet or attention block, projections included
+    mlp: float  # the dense MLP, or the MoE block: router, routed experts, shared expert
+
+    @property
+    def total(self) -> float:
+        return self.norms + self.mixer + self.mlp
+
+
+def _act_bytes(cfg: VlmrlConfig) -> int:
+    return 2 if cfg.hardware.train_dtype == "bfloat16" else 4
+
+
+def rms_norm_activation_bytes(cfg: VlmrlConfig) -> float:
+    """One RMSNorm (`vlmrl.models.norm.rms_norm`) per token: its float32 input and the
+    normalised values (zero-centred weight, Qwen3.5) or the normalised values cast back to the
+    train dtype (plain weight), and the float32 inverse RMS."""
+    h, a = cfg.model.lm.hidden_size, _act_bytes(cfg)
+    zero_centered = cfg.model.family.startswith("qwen3_5")  # Qwen3.5 and Qwen3.5-MoE
+    return h * F32 + (h * F32 if zero_centered else h * a) + F32
+
+
+def gdn_activation_bytes(cfg: VlmrlConfig, longest: int | None = None) -> float:
+    """One Gated DeltaNet block (`vlmrl.models.gdn`) per token of this rank (heads split over
+    TP): projections, short convolution, the gated delta rule and the gated norm.
+
+    `hardware.gdn_backend=torch` (`chunk_gated_delta_rule`, float32): per key head (Hk, dk)
+    and value head (Hv, dv) of a chunk of C tokens (`gdn_chunk_size` of `longest`, the longest
+    packed sample, by default the configured sequence length), the normalised q and k, the
+    C x C systems and decay masks, the solved corrections, the chunk-start states
+    (dk x dv per value head and chunk: Hv*dk*dv/C a token) and the per-chunk products. Packed
+    samples are padded to the longest, rounded up to C; the count assumes that padding is
+    small (samples of similar length). `fla`: the kernels keep q, k, v, the decays and one
+    C x C matrix per value head and recompute the rest (counted from fla's saved inputs, not
+    measured here)."""
+    lm, a = cfg.model.lm, _act_bytes(cfg)
+    tp = cfg.parallel.tp
+    h = lm.hidden_size
+    hk, hv = lm.linear_num_key_heads / tp, lm.linear_num_value_heads / tp
+    dk, dv = lm.linear_key_head_dim, lm.linear_value_head_dim
+    conv = 2 * hk * dk + hv * dv  # the short convolution's channels: q, k, v
+    c = gdn_chunk_size(longest or sequence_length(cfg))
+    # the block's input (shared by the four projections) and out_proj's input
+    n = h * a + hv * dv * a
+    # decay (float32 softplus) and write strength (sigmoid)
+    n += 2 * hv * F32 + hv * a
+    # gated RMSNorm of the output: float32 input, normalised values, gate and SiLU(gate), the
+    # scaled values in the train dtype, the inverse RMS
+    n += 4 * hv * dv * F32 + hv * dv * a + hv * F32
+    if cfg.hardware.gdn_backend == "fla":
+        n += conv * a  # the Triton convolution keeps its input
+        n += conv * a + 2 * hv * F32 + hv * c * F32  # q, k, v, g, beta and the intra-chunk matrix
+        return n
+    n += 2 * conv * a  # the torch convolution: the padded input and the SiLU's input
+    n += 2 * hk * dk * F32 + 2 * hk * F32  # l2-normalised q and k (float32) and their inverse norms
+    # the chunked recurrence, float32: q, k operands of the two C x C products and q, k as
+    # used by the right-hand side and the output decay (6 Hk dk); v and the solved corrections
+    # (3 Hv dv, 3 Hv dk counting the per-chunk operands expanded over the value heads); the
+    # C x C products per key head (2 Hk C) and per value head (decay, masked products, the
+    # system: 4 Hv C); the state at every chunk start (Hv dk dv / C); the cumulative decays
+    n += (6 * hk * dk + 3 * hv * dv + 3 * hv * dk + 2 * hk * c + 4 * hv * c + hv * dk * dv / c + 5 * hv) * F32
+    return n
+
+
+def attention_activation_bytes(cfg: VlmrlConfig) -> float:
+    """One attention block (Megatron's SelfAttention with `vlmrl.models.attention`'s core) per
+    token of this rank: the fused QKV projection's input and output, q/k RMSNorms (float32),
+    the rotated q and k, the attention output with its log-sum-exp, the output gate, and
+    out_proj's input. Counted as SDPA keeps them with GQA (V a view of the projection's
+    output); where CUDA repeats K and V to the query heads first (cuDNN's path), the kernel
+    keeps the repeated copies instead of the projection's output: about as many bytes for
+    Qwen3.5's gated attention (2 x 16 heads against 36 rows of 256)."""
+    lm, a, tp = cfg.model.lm, _act_bytes(cfg), cfg.parallel.tp
+    h, hd = lm.hidden_size, lm.head_dim
+    nh, ng = lm.num_attention_heads / tp, max(lm.num_query_groups / tp, 1)
+    gate = 2 if lm.attention_output_gate else 1
+    n = h * a  # linear_qkv's input
+    n += (gate * nh + 2 * ng) * hd * a  # its output, which V stays a view of
+    if lm.qk_layernorm:
+        n += 2 * (nh + ng) * hd * F32 + (nh + ng) * F32
+    n += (nh + ng) * hd * a  # q and k after rotary embedding
+    n += nh * hd * a + nh * F32  # the attention output and its log-sum-exp
+    if lm.attention_output_gate:
+        n += 2 * nh * hd * a  # output and sigmoid(gate)
+    n += nh * hd * a  # out_proj's input
+    return n
+
+
+def mlp_activation_bytes(cfg: VlmrlConfig) -> float:
+    """The MLP of one layer per token of this rank. Dense SwiGLU: input, fc1's output,
+    SiLU(gate), the activation (fc2's input). MoE (`vlmrl.models.moe`): the router's float32
+    probabilities and routing indices; per routed token (top-k of them, EP moves them but not
+    their count) its dispatched input, fc1's output [gate; up], SiLU(gate), the activation and
+    the activation scaled by its router weight (fc2's input), i.e. H + 5 I values; and the
+    shared expert, a SwiGLU MLP with a sigmoid gate on its own copy of the input."""
+    lm, a = cfg.model.lm, _act_bytes(cfg)
+    p = cfg.parallel
+    h = lm.hidden_size
+    if not is_moe_model(cfg):
+        return h * a + 5 * lm.ffn_hidden_size / p.tp * a
+    k, e = lm.moe_router_topk, lm.num_experts
+    n = e * F32 + k * (4 * 8 + F32)  # router: probabilities, top-k indices and weights, sort maps
+    n += k * (h + 5 * lm.moe_ffn_hidden_size / p.etp) * a + k * F32
+    if lm.shared_expert_ffn_hidden_size:
+        n += h * a + 5 * lm.shared_expert_ffn_hidden_size / p.tp * a
+        if lm.shared_expert_gate:
+            n += h * a + a
+    return n
+
+
+def layer_activation_bytes(cfg: VlmrlConfig, kind: str, longest: int | None = None) -> LayerActivations:
+    """Bytes per token one decoder layer of `kind` ("linear_attention" or "full_attention")
+    keeps for its backward: the sum of the parts above (norms replicated over TP unless
+    sequence parallel splits the tokens)."""
+    p = cfg.parallel
+    sp = p.tp if p.sequence_parallel else 1
+    mixer = gdn_activation_bytes(cfg, longest) if kind == "linear_attention" else attention_activation_bytes(cfg)
+    return LayerActivations(norms=2 * rms_norm_activation_bytes(cfg) / sp, mixer=mixer, mlp=mlp_activation_bytes(cfg))
+
+
+def moe_backward_bytes(cfg: VlmrlConfig, tokens: float) -> float:
+    """What the backward of one MoE block allocates beyond what its forward kept, at its peak,
+    for `tokens` tokens of this rank (0 for dense models): the gradient of the local experts'
+    fused [gate; up] weights in their dtype, one [E, 2 I, H] tensor (the grouped GEMM's;
+    Megatron adds it into its float32 gradient buffer and frees it), with the gradients of
+    fc1's output and of the dispatched tokens (top-k rows per token) live beside it. The
+    training peak is reached here, in the last layer's MoE block, the logits' gradients gone."""
+    if not is_moe_model(cfg):
+        return 0.0
+    lm, p, a = cfg.model.lm, cfg.parallel, _act_bytes(cfg)
+    h, ffn, k = lm.hidden_size, lm.moe_ffn_hidden_size / p.etp, lm.moe_router_topk
+    return lm.num_experts / p.ep * 2 * ffn * h * a + tokens * k * (h + 2 * ffn) * a
+
+
+def head_activation_bytes(cfg: VlmrlConfig) -> float:
+    """The final RMSNorm, the output layer's input and the loss per token of this rank: the
+    float32 log-softmax over the vocabulary slice and its exponent (the entropy's), i.e.
+    2 x V x 4 bytes."""
+    lm, p = cfg.model.lm, cfg.parallel
+    sp = p.tp if p.sequence_parallel else 1
+    return rms_norm_activation_bytes(cfg) / sp + lm.hidden_size * _act_bytes(cfg) + 2 * lm.vocab_size / p.tp * F32
+
+
 def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
     p, lm = cfg.parallel, cfg.model.lm
     layout = compute_layout(cfg)
@@ -209,21 +375,32 @@ def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
     tokens_cp = tokens / p.cp
     act_bytes = 2 if bf16 else 4
     sp = p.tp if p.sequence_parallel else 1
-    layer_full = 34 * tokens_cp * h * act_bytes / 2 / sp  # 34*s*h bytes at 2 bytes per value
-    if is_moe_model(cfg):
-        # dispatched tokens through top-k experts (fc1 output, activation, fc2 input)
-        layer_full += tokens_cp * lm.moe_router_topk * (h + 3 * lm.moe_ffn_hidden_size) * act_bytes / p.etp
+    # what each layer keeps for its backward (`layer_activation_bytes`), stage 0 holding its
+    # share of each kind of layer
+    types = list(lm.layer_types) or ["full_attention"] * lm.num_layers
+    per_kind = {t: layer_activation_bytes(cfg, t).total * tokens_cp for t in set(types)}
+    layers = sum(per_kind[t] for t in types) / lm.num_layers * layers_per_stage
+    layer_full = max(per_kind.values())  # the largest layer's
     layer_input = tokens_cp * h * act_bytes / sp
     if p.recompute_granularity == "full":
         activations = layers_per_stage * layer_input + layer_full
     else:
-        activations = layers_per_stage * layer_full
+        activations = layers
     activations *= p.pp  # 1F1B: stage 0 holds up to pp micro-batches in flight
-    logits = 2 * tokens_cp * lm.vocab_size / p.tp * 4  # fp32 logits and their gradient
-    activations += logits
-    # forward only: layers free their activations as they go; the logits (train dtype) and
-    # their float32 log-softmax stay for the micro-batch
-    forward_activations = layer_full + tokens_cp * lm.vocab_size / p.tp * (act_bytes + 4)
+    # the backward's peak beyond what the layers keep: as it starts, the head (final norm, the
+    # output layer's input, the float32 log-softmax) with the float32 gradient of the logits
+    # and the logits' own gradient in the train dtype; or later, the head freed, the last MoE
+    # block's backward (`moe_backward_bytes`), whichever is larger
+    logits_grad = tokens_cp * lm.vocab_size / p.tp * (F32 + act_bytes)
+    activations += max(head_activation_bytes(cfg) * tokens_cp + logits_grad, moe_backward_bytes(cfg, tokens_cp))
+    # forward only: each part frees its intermediates as it goes, so one part's working set is
+    # live at a time, at most what it would keep for a backward (the largest part's bytes: the
+    # torch Gated DeltaNet block keeps 358 KB a token at the scaled 2.88B shape, its forward
+    # without autograd peaked at 331 on the CPU); the logits (train dtype) and their float32
+    # log-softmax stay for the micro-batch
+    largest_part = max(max(part.norms / 2, part.mixer, part.mlp)
+                       for part in (layer_activation_bytes(cfg, t) for t in set(types)))
+    forward_activations = largest_part * tokens_cp + tokens_cp * lm.vocab_size / p.tp * (act_bytes + F32)
     qkv_gather = 0.0
     if p.tp > lm.num_query_groups:
         rows = (lm.num_attention_heads * (2 if lm.attention_output_gate else 1) + 2 * lm.num_query_groups) * lm.head_dim

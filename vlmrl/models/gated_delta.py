@@ -121,6 +121,13 @@ def _to_segments(x: Tensor, gather: Tensor, n: int, length: int) -> Tensor:
     return padded.index_select(0, gather).view(n, length, *x.shape[1:])
 
 
+def chunk_size(longest: int) -> int:
+    """The chunk `chunk_gated_delta_rule` picks for packed samples whose longest has `longest`
+    tokens: 16..64, small for short samples (less padding, smaller C x C systems). The memory
+    plan mirrors it (`vlmrl.config.memory.gdn_chunk_size`)."""
+    return min(CHUNK, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
+
+
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            bounds: Sequence[tuple[int, int]], *, chunk: int | None = None) -> Tensor:
     """The gated delta rule over packed segments, chunked, in float32.
@@ -140,8 +147,8 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     q = l2norm(q) * dk ** -0.5
     k = l2norm(k)
     longest = max(b - a for a, b in bounds)
-    if chunk is None:  # short samples: small chunks (less padding, smaller C x C systems)
-        chunk = min(CHUNK, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
+    if chunk is None:
+        chunk = chunk_size(longest)
     length = -(-longest // chunk) * chunk
     n_seg, n_chunks = len(bounds), length // chunk
     gather, scatter = _segment_index(bounds, length, t_len, q.device)
