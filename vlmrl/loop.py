@@ -58,6 +58,15 @@ def observed(train_metrics: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def scheduled_steps(cfg: VlmrlConfig) -> int:
+    """The optimizer steps the learning-rate schedule spans: `num_steps` supervised steps with
+    `algo=sft` (its `sft_steps` is the warm-up of an RL run, which it does not run), else the
+    SFT warm-up and then `num_steps` RL steps."""
+    if cfg.algo.name == "sft":
+        return cfg.num_steps
+    return cfg.num_steps + cfg.algo.sft_steps
+
+
 def dataset_name(cfg: VlmrlConfig) -> str:
     return cfg.data.name
 
@@ -454,7 +463,7 @@ class Loop:
             print(f"note: {note}")
         self._resolve_model()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        total = cfg.num_steps + cfg.algo.sft_steps
+        total = scheduled_steps(cfg)
         resume = self._resume_from()
         resume_step = -1
         if resume is not None:

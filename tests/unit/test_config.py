@@ -362,3 +362,13 @@ def test_engines_bind_loopback_on_one_local_machine_only():
     assert engine_bind_host(load(["experiment=geo3k_qwen35"])) == "127.0.0.1"
     assert engine_bind_host(load(["experiment=geo3k_qwen35", "cluster=external"], check_rules=False)) == "auto"
     assert engine_bind_host(load(["experiment=geo3k_qwen35", "cluster.num_nodes=2"], check_rules=False)) == "auto"
+
+
+def test_the_lr_schedule_spans_the_steps_the_run_takes():
+    from vlmrl.loop import scheduled_steps
+
+    # GRPO: the SFT warm-up, then the RL steps
+    assert scheduled_steps(load(["num_steps=40", "algo.sft_steps=60"])) == 100
+    # SFT alone runs num_steps supervised steps; algo/sft.yaml's sft_steps is not run
+    cfg = load(["algo=sft", "num_steps=140"])
+    assert cfg.algo.sft_steps > 0 and scheduled_steps(cfg) == 140
