@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ..cluster.trainer_group import TrainerWorker, _free_port
+    from ..cluster.placement import free_port
+    from ..cluster.trainer_group import TrainerWorker
     from ..config import load
     from ..training.batch import TrainSample
 
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rollout.embedded.serve_http=true",
                     *([f"hardware.gdn_backend={args.gdn_backend}"] if args.gdn_backend else []), *args.set],
                    check_rules=False)
-        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
+        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", free_port())
         worker.init(str(ckpt), total_steps=1)
         trainer = worker.trainer
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..config.layout import Layout, compute_layout
 from ..config.schema import VlmrlConfig
 from ..training.batch import TrainSample, split_by_tokens
-from .placement import Placement
+from .placement import Placement, free_port
 
 
 class TrainerWorker:
@@ -40,6 +38,8 @@ class TrainerWorker:
                           MASTER_PORT=str(master_port), LOCAL_RANK="0")
         self.cfg = cfg
         self.layout = layout or compute_layout(cfg)  # the run's, where the group passes it
+        self._transport: Any = None  # vlmrl.cluster.weight_transport, made at the first sync over HTTP
+        self.last_sync_phases: dict[str, float] = {}
         self.rank = rank
         self.trainer: Any = None
 
@@ -91,160 +91,30 @@ class TrainerWorker:
 
     def _sync_http(self, urls: list[str], bucket_bytes: int, weight_version: str | None, *,
                    reset: bool = False, api_key: str | None = None) -> int:
-        """SGLang's weight-sync protocol, to SGLang servers or to the embedded server over HTTP.
+        """SGLang's weight-sync protocol, to SGLang servers or to the embedded server over HTTP,
+        through this rank's transport to these engines (`vlmrl.cluster.weight_transport`:
+        colocated or broadcast), made at the first sync and kept; `reset` (an engine was
+        restarted) or a changed URL list makes a new one."""
+        from .weight_transport import weight_transport
 
-        Colocated: every trainer rank that shares a device with an engine rank serializes its
-        own copy of each bucket (one CUDA IPC handle to a flattened copy on its GPU; host bytes
-        on CPU), rank 0 gathers them and posts each engine one payload per TP rank, from the trainer rank on
-        that rank's device (/update_weights_from_tensor); every rank keeps its bucket alive
-        until the engines have read it. The engines load one bucket while the ranks prepare the
-        next (two buckets' copies alive at most). Separate devices: rank 0 and every engine rank form a
-        broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
-        (/update_weights_from_distributed). The last bucket flushes the engines' caches and
-        carries `weight_version`, which the engines report with every later sample.
-
-        The clients and the broadcast group are made once and kept; `reset` (an engine was
-        restarted) or a changed URL list tears them down and makes them again."""
-        import asyncio
-
-        import torch.distributed as dist
-
-        from ..rollout import weights as wt
-        from ..rollout.client import HTTPEngine
-
-        cfg = self.cfg
-        colocate = cfg.cluster.colocate
-        tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
-        # colocated on GPUs: CUDA IPC; the embedded server on CPU reads torch.save payloads;
-        # SGLang on GPUs of its own takes the broadcast only (its unpickler refuses torch.save)
-        if colocate and cfg.hardware.device == "cuda":
-            fmt: str | None = "ipc"
-        else:
-            fmt = "torch_save" if cfg.rollout.name == "embedded" else None
-        if self.rank == 0 and getattr(self, "_http", None) is not None and (reset or urls != self._urls):
+        if self._transport is not None and (reset or list(urls) != self._transport.urls):
             self._drop_engine_links()
-        if self.rank == 0 and getattr(self, "_http", None) is None:
-            self._urls = list(urls)
-            self._loop = getattr(self, "_loop", None) or asyncio.new_event_loop()
-            self._http = [HTTPEngine(u, name=f"engine-{i}", tensor_format=fmt, tp_size=tp, api_key=api_key)
-                          for i, u in enumerate(urls)]
-            self._group = None
-            if not colocate:
-                self._group = self._loop.run_until_complete(wt.init_weights_update_group_all(
-                    self._http, self.node_ip(), _free_port(), backend=cfg.hardware.dist_backend))
-        sources: list[list[int]] = []
-        if colocate:
-            sources = wt.payload_sources(self.layout.trainer_devices, self.layout.rollout_device_offset, len(urls), tp)
-        senders = {r for ranks in sources for r in ranks}
-        sent = 0
-        # host seconds of this sync by phase (no device syncs added: the device work of a
-        # colocated sync is a few copies; where a phase waits for the GPU it shows up there)
-        phases = dict.fromkeys(("gather_convert", "serialize", "engines", "barrier"), 0.0)
-        clock = time.perf_counter()
-
-        def lap(phase: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            phases[phase] += now - clock
-            clock = now
-
-        buckets = 0
-        # colocated: the engines load bucket k while the ranks convert and flatten bucket k+1
-        # (rank 0 posts from a helper thread); before bucket k+1 is posted, the engines must
-        # have answered for bucket k (order: the last bucket flushes and carries the version),
-        # and only then may the ranks drop their copies of bucket k (the barrier)
-        inflight: tuple[Any, list[Any]] | None = None  # (rank 0's post, this rank's copies)
-
-        def settle() -> None:
-            nonlocal inflight
-            if inflight is None:
-                return
-            post, alive = inflight
-            inflight = None
-            if post is not None:
-                post.result()
-            lap("engines")
-            if dist.get_world_size() > 1:
-                dist.barrier()  # the engines have read every rank's copy: the bucket may go
-            alive.clear()
-            lap("barrier")
-
-        async def each(method: str) -> list[Any]:
-            return await asyncio.gather(*(getattr(e, method)() for e in self._http), return_exceptions=True)
-
-        if self.rank == 0:  # where the engines' release has weight-update sessions, one around the sync
-            opened = self._loop.run_until_complete(each("begin_weight_update"))
-            failed = [e for e in opened if isinstance(e, BaseException)]
-            if failed:
-                self._loop.run_until_complete(each("end_weight_update"))
-                raise failed[0]
-        try:
-            # the flattened IPC bucket copies each tensor's own bytes: views need no copy of their
-            # own (unless `compact_views` asks for one: the weight-sync bench measures both)
-            buckets_of = self.trainer.iter_hf_weights(bucket_bytes, compact=fmt != "ipc" or self.compact_views)
-            for bucket, last in wt.with_last(buckets_of):
-                lap("gather_convert")
-                buckets += 1
-                version = weight_version if last else None
-                if colocate:
-                    alive: list[Any] = []  # this rank's flattened copy, until the engines have read it
-                    mine = wt.serialize_payload(bucket, fmt, keep=alive) if self.rank in senders else None
-                    per_engine = wt.gather_rank_payloads(mine, sources)
-                    lap("serialize")
-                    settle()
-                    post = None
-                    if per_engine is not None:  # rank 0
-                        async def send(per_engine: list[list[str]] = per_engine, last: bool = last,
-                                       version: str | None = version) -> None:
-                            await asyncio.gather(*(e.update_weights_from_serialized(
-                                payloads, flush_cache=last, weight_version=version)
-                                for e, payloads in zip(self._http, per_engine)))
-
-                        post = self._poster().submit(self._loop.run_until_complete, send())
-                    inflight = (post, alive)
-                elif self.rank == 0:
-                    self._loop.run_until_complete(wt.update_weights_distributed(
-                        self._http, self._group, bucket, bucket_bytes=None, weight_version=version, final=last))
-                    lap("engines")
-                if self.rank == 0:
-                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
-            settle()
-        finally:
-            if inflight is not None and inflight[0] is not None:  # failed mid-sync: let the post end first
-                inflight[0].exception()
-            if self.rank == 0:  # closed whatever happened; its own failure only counts after a good sync
-                ends = self._loop.run_until_complete(each("end_weight_update"))
-                failed = [e for e in ends if isinstance(e, BaseException)]
-                if failed and sys.exc_info()[0] is None:
-                    raise failed[0]
-        self.last_sync_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": buckets}
+        if self._transport is None:
+            broadcast_host = self.node_ip() if self.rank == 0 and not self.cfg.cluster.colocate else ""
+            self._transport = weight_transport(self.cfg, self.rank, urls, self.layout, api_key=api_key,
+                                               host=broadcast_host)
+        transport = self._transport
+        buckets = self.trainer.iter_hf_weights(bucket_bytes, compact=transport.wants_compact(self.compact_views))
+        sent = transport.send(buckets, weight_version)
+        self.last_sync_phases = transport.last_phases
         return sent
 
-    def _poster(self) -> Any:
-        """Rank 0's one helper thread that runs the engines' posts (the event loop of
-        `_sync_http`, never run by two threads at once: each sync waits for its last post)."""
-        if getattr(self, "_post_thread", None) is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._post_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-post")
-        return self._post_thread
-
     def _drop_engine_links(self) -> None:
-        """Forget the engines' clients and leave the broadcast group (best effort on engines
-        that may be gone: a restarted one starts without it)."""
-        import asyncio
-
-        from ..rollout import weights as wt
-
-        async def leave() -> None:
-            if self._group is not None:
-                await asyncio.gather(*(e.destroy_weights_update_group() for e in self._http), return_exceptions=True)
-            await asyncio.gather(*(e.close() for e in self._http), return_exceptions=True)
-
-        self._loop.run_until_complete(leave())
-        if self._group is not None:
-            wt.destroy_update_group(self._group)
-        self._http, self._group = None, None
+        """Leave the engines (best effort on engines that may be gone: a restarted one starts
+        without the broadcast group)."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
 
     def offload(self) -> dict[str, float]:
         """Move this rank's weights, gradients and optimizer state off the GPU (see
@@ -279,12 +149,6 @@ class TrainerWorker:
         return load_checkpoint(self.trainer, path)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class TrainerGroup:
     """The driver's handle on all trainer ranks."""
 
@@ -307,7 +171,7 @@ class TrainerGroup:
             return dict(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=gpus,
                         scheduling_strategy=placement.strategy(placement.trainer_bundles[rank]))
 
-        port = _free_port()
+        port = free_port()
         first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, "127.0.0.1", port, layout)
         addr = ray.get(first.node_ip.remote()) if cfg.cluster.num_nodes > 1 else "127.0.0.1"
         if addr != "127.0.0.1":

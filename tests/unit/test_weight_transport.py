@@ -1,0 +1,28 @@
+"""The weight transport is chosen once per set of engines, from the layout: colocated engines
+take payloads by reference from the ranks on their devices, engines on devices of their own a
+broadcast from rank 0. (Both run end to end in tests/integration/test_loop.py.)"""
+
+from __future__ import annotations
+
+from vlmrl.cluster.weight_transport import BroadcastTransport, ColocatedTransport, weight_transport
+from vlmrl.config import compute_layout, load
+
+
+def test_the_layout_picks_the_transport_and_its_payloads():
+    colocated = load(["cluster.colocate=true", "cluster.num_cpu_ranks=2"], check_rules=False)
+    t = weight_transport(colocated, 1, ["http://engine-0"], compute_layout(colocated), api_key=None, host="")
+    assert isinstance(t, ColocatedTransport) and t.format == "torch_save"  # CPU: host bytes
+    assert t.sources and t.wants_compact(False)  # torch.save payloads need compact tensors
+    assert not t.engines  # only rank 0 holds the engines' clients
+
+    separate = load(["cluster.colocate=false"], check_rules=False)
+    t = weight_transport(separate, 1, ["http://engine-0"], compute_layout(separate), api_key=None, host="")
+    assert isinstance(t, BroadcastTransport) and t.group is None and t.wants_compact(False)
+
+
+def test_colocated_gpus_send_cuda_ipc_handles_to_views_as_they_are():
+    cfg = load(["hardware=h200", "rollout=sglang", "cluster.num_gpus=2", "cluster.colocate=true"], check_rules=False)
+    t = weight_transport(cfg, 1, ["http://a", "http://b"], compute_layout(cfg), api_key=None, host="")
+    assert isinstance(t, ColocatedTransport) and t.format == "ipc"
+    assert not t.wants_compact(False) and t.wants_compact(True)  # `compact_views` asks for copies
+    assert 1 in t.senders  # rank 1 shares its GPU with an engine rank: it sends its own copy

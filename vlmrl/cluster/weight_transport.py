@@ -1,0 +1,236 @@
+"""How a trainer rank's weights reach engines that speak SGLang's weight-sync protocol: one
+class per transport, chosen once per set of engines (`weight_transport`).
+
+- `ColocatedTransport`: trainer and engines share devices. Every trainer rank that shares a
+  device with an engine rank serializes its own copy of each bucket (one CUDA IPC handle to a
+  flattened copy on its GPU; host bytes on CPU), rank 0 gathers them and posts each engine one
+  payload per TP rank (`/update_weights_from_tensor`), from the trainer rank on that rank's
+  device. Every rank keeps its copy alive until the engines have read it; the engines load
+  one bucket while the ranks prepare the next (two buckets' copies alive at most).
+- `BroadcastTransport`: engines on devices of their own. Rank 0 and every engine rank form a
+  broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
+  (`/update_weights_from_distributed`).
+
+Both: every rank takes part in gathering the HF-named buckets (collective); rank 0 holds the
+engines' clients; where the engines' release has weight-update sessions, one wraps the sync;
+the last bucket flushes the engines' caches and carries the weight version the engines then
+report with every sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config.layout import Layout
+from ..config.schema import VlmrlConfig
+from ..rollout import weights as wt
+from ..rollout.client import HTTPEngine
+from .placement import free_port
+
+Bucket = list[tuple[str, Any]]  # (HF name, tensor)
+
+
+class WeightTransport:
+    """One trainer rank's side of the sync to a fixed list of engines (`urls`). Made once and
+    kept across syncs; `close` leaves the engines (a restarted engine or new URLs: make another)."""
+
+    def __init__(self, cfg: VlmrlConfig, rank: int, urls: Sequence[str], *, tensor_format: str | None,
+                 api_key: str | None) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.urls = list(urls)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.engines: list[HTTPEngine] = []
+        if rank == 0:
+            tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
+            self.loop = asyncio.new_event_loop()
+            self.engines = [HTTPEngine(u, name=f"engine-{i}", tensor_format=tensor_format, tp_size=tp, api_key=api_key)
+                            for i, u in enumerate(self.urls)]
+        # host seconds of the last sync by phase, and its bucket count
+        self.last_phases: dict[str, float] = {}
+
+    def wants_compact(self, compact_views: bool) -> bool:
+        """Whether the buckets must hold each tensor in storage of its own: payloads other
+        than a flattened IPC copy need it; `compact_views` asks for it anyway."""
+        return True
+
+    # ------------------------------------------------------------ the sync
+    def send(self, buckets: Iterable[Bucket], weight_version: str | None) -> int:
+        """Every bucket to every engine (collective over the trainer ranks); returns the bytes
+        sent to each engine (rank 0; 0 elsewhere)."""
+        phases = dict.fromkeys(("gather_convert", "serialize", "engines", "barrier"), 0.0)
+        clock = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[phase] += now - clock
+            clock = now
+
+        self._open_session()
+        count = sent = 0
+        try:
+            for bucket, last in wt.with_last(buckets):
+                lap("gather_convert")
+                count += 1
+                self._send_bucket(bucket, last=last, version=weight_version if last else None, lap=lap)
+                if self.rank == 0:
+                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            self._settle(lap)
+        finally:
+            self._abandon()
+            self._close_session()
+        self.last_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": count}
+        return sent
+
+    def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
+        raise NotImplementedError
+
+    def _settle(self, lap: Callable[[str], None]) -> None:
+        """Wait for whatever is still in flight (pipelined transports)."""
+
+    def _abandon(self) -> None:
+        """A sync that failed midway: let anything in flight end first."""
+
+    # ------------------------------------------------------------ sessions and links
+    def _each(self, method: str) -> list[Any]:
+        async def call() -> list[Any]:
+            return await asyncio.gather(*(getattr(e, method)() for e in self.engines), return_exceptions=True)
+
+        return self.loop.run_until_complete(call())
+
+    def _open_session(self) -> None:
+        if self.rank != 0:
+            return
+        failed = [e for e in self._each("begin_weight_update") if isinstance(e, BaseException)]
+        if failed:
+            self._each("end_weight_update")
+            raise failed[0]
+
+    def _close_session(self) -> None:
+        """Closed whatever happened; its own failure only counts after a good sync."""
+        if self.rank != 0:
+            return
+        failed = [e for e in self._each("end_weight_update") if isinstance(e, BaseException)]
+        if failed and sys.exc_info()[0] is None:
+            raise failed[0]
+
+    def close(self) -> None:
+        """Forget the engines' clients (best effort on engines that may be gone)."""
+        if self.rank != 0:
+            return
+
+        async def leave() -> None:
+            await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+
+        self.loop.run_until_complete(leave())
+        self.loop.close()
+        self.engines = []
+
+
+class ColocatedTransport(WeightTransport):
+    """Payloads by reference from the ranks that share devices with the engines (CUDA IPC on
+    GPUs, host bytes on CPU), posted by rank 0 while the ranks prepare the next bucket."""
+
+    def __init__(self, cfg: VlmrlConfig, rank: int, urls: Sequence[str], layout: Layout, *,
+                 api_key: str | None) -> None:
+        fmt = "ipc" if cfg.hardware.device == "cuda" else "torch_save"
+        super().__init__(cfg, rank, urls, tensor_format=fmt, api_key=api_key)
+        self.format = fmt
+        tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
+        self.sources = wt.payload_sources(layout.trainer_devices, layout.rollout_device_offset, len(self.urls), tp)
+        self.senders = {r for ranks in self.sources for r in ranks}
+        self._post_thread: ThreadPoolExecutor | None = None  # rank 0: runs the event loop's posts
+        # (rank 0's post, this rank's copies) of the bucket the engines are loading
+        self._inflight: tuple[Future | None, list[Any]] | None = None
+
+    def wants_compact(self, compact_views: bool) -> bool:
+        return self.format != "ipc" or compact_views
+
+    def close(self) -> None:
+        if self._post_thread is not None:
+            self._post_thread.shutdown(wait=True)
+            self._post_thread = None
+        super().close()
+
+    def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
+        alive: list[Any] = []  # this rank's flattened copy, until the engines have read it
+        mine = wt.serialize_payload(bucket, self.format, keep=alive) if self.rank in self.senders else None
+        per_engine = wt.gather_rank_payloads(mine, self.sources)
+        lap("serialize")
+        # before bucket k+1 is posted the engines must have answered for bucket k (the last
+        # bucket flushes and carries the version), and only then may the ranks drop bucket k
+        self._settle(lap)
+        post = None
+        if per_engine is not None:  # rank 0
+            async def send() -> None:
+                await asyncio.gather(*(e.update_weights_from_serialized(payloads, flush_cache=last, weight_version=version)
+                                       for e, payloads in zip(self.engines, per_engine)))
+
+            if self._post_thread is None:
+                self._post_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-post")
+            post = self._post_thread.submit(self.loop.run_until_complete, send())
+        self._inflight = (post, alive)
+
+    def _settle(self, lap: Callable[[str], None]) -> None:
+        if self._inflight is None:
+            return
+        post, alive = self._inflight
+        self._inflight = None
+        if post is not None:
+            post.result()
+        lap("engines")
+        if dist.get_world_size() > 1:
+            dist.barrier()  # the engines have read every rank's copy: the bucket may go
+        alive.clear()
+        lap("barrier")
+
+    def _abandon(self) -> None:
+        if self._inflight is not None and self._inflight[0] is not None:
+            self._inflight[0].exception()
+        self._inflight = None
+
+
+class BroadcastTransport(WeightTransport):
+    """Rank 0 broadcasts each bucket to every engine rank over a group they all join."""
+
+    def __init__(self, cfg: VlmrlConfig, rank: int, urls: Sequence[str], *, api_key: str | None, host: str) -> None:
+        # SGLang takes the broadcast only (its unpickler refuses torch.save payloads)
+        fmt = "torch_save" if cfg.rollout.name == "embedded" else None
+        super().__init__(cfg, rank, urls, tensor_format=fmt, api_key=api_key)
+        self.group: Any = None
+        if rank == 0:
+            self.group = self.loop.run_until_complete(wt.init_weights_update_group_all(
+                self.engines, host, free_port(), backend=cfg.hardware.dist_backend))
+
+    def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
+        if self.rank == 0:
+            self.loop.run_until_complete(wt.update_weights_distributed(
+                self.engines, self.group, bucket, bucket_bytes=None, weight_version=version, final=last))
+            lap("engines")
+
+    def close(self) -> None:
+        """Leave the broadcast group (a restarted engine starts without it), then the clients."""
+        if self.rank == 0 and self.group is not None:
+            async def leave() -> None:
+                await asyncio.gather(*(e.destroy_weights_update_group() for e in self.engines), return_exceptions=True)
+
+            self.loop.run_until_complete(leave())
+            wt.destroy_update_group(self.group)
+            self.group = None
+        super().close()
+
+
+def weight_transport(cfg: VlmrlConfig, rank: int, urls: Sequence[str], layout: Layout, *, api_key: str | None,
+                     host: str) -> WeightTransport:
+    """The transport for these engines: colocated (shared devices) or broadcast."""
+    if cfg.cluster.colocate:
+        return ColocatedTransport(cfg, rank, urls, layout, api_key=api_key)
+    return BroadcastTransport(cfg, rank, urls, api_key=api_key, host=host)
