@@ -14,15 +14,50 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import random
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .config.schema import VlmrlConfig
+from safetensors.torch import save_file
+
+from .algo import compute_advantages
+from .cluster.colocation import Colocation
+from .cluster.engine_group import EngineGroup
+from .cluster.placement import create_placement
+from .cluster.ray_cluster import ray_cluster
+from .cluster.trainer_group import TrainerGroup
+from .config import config_notes
+from .config.layout import compute_layout, returns_routed_experts
+from .config.memory import (
+    GIB,
+    compare_phase_memory,
+    measured_phase_split,
+    phase_estimate_split,
+    trainer_offload,
+)
+from .config.schema import RewardConfig, VlmrlConfig
+from .data.prompts import PromptDataset
 from .experience import rollout_metrics, rollout_prompt, sft_samples, train_samples
+from .logging import MetricsLogger
+from .logging import keys as mk
+from .logging.console import library_log, quiet_libraries
+from .logging.keys import eval_key, eval_mean_reward_key
+from .logging.progress import Progress
+from .models import families
+from .models.bridge import check_checkpoint
+from .models.processor import load_processor, save_processor
+from .models.sglang_checkpoint import check_sglang_checkpoint
+from .models.tiny import ensure_tiny_checkpoint
+from .rewards import build_verifier
+from .rewards.pool import RewardPool
+from .rollout.manager import RolloutManager
+from .training.checkpoint import checkpoint_dir, find_latest, read_loop_state, write_loop_state
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +77,6 @@ def model_path(cfg: VlmrlConfig) -> str:
     """The HF checkpoint to start from (the tiny model is built on first use)."""
     if cfg.model.path:
         return cfg.model.path
-    from .models.tiny import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(cfg.model, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
@@ -77,9 +111,7 @@ def verifier_params(reward: Any) -> dict[str, Any]:
     The schema carries every verifier's parameters; a key the target does not take must
     keep its schema default (e.g. `tolerance` with the math verifier), else it is an error.
     """
-    import importlib
 
-    from .config.schema import RewardConfig
 
     params = dataclasses.asdict(reward)
     params.pop("eval_target")  # a loop setting, not a verifier parameter
@@ -118,22 +150,15 @@ class Loop:
     # ------------------------------------------------------------ components
     def _resolve_model(self) -> None:
         """The checkpoint every process loads, checked against the config before any starts."""
-        from .models.bridge import check_checkpoint
 
         self.model_path = model_path(self.cfg)
         check_checkpoint(self.cfg.model, self.model_path)
         if self.cfg.rollout.name == "sglang":  # what SGLang builds from its config.json, too
-            from .models.sglang_checkpoint import check_sglang_checkpoint
 
             check_sglang_checkpoint(self.cfg.model, self.model_path, sglang_version=self.cfg.rollout.sglang.version)
 
     def _setup(self) -> None:
         """The driver's own components: processor, prompt data, reward workers."""
-        from .data.prompts import PromptDataset
-        from .logging.progress import Progress
-        from .models.processor import load_processor
-        from .rewards import build_verifier
-        from .rewards.pool import RewardPool
 
         cfg, d = self.cfg, self.cfg.data
         random.seed(cfg.seed)
@@ -151,9 +176,6 @@ class Loop:
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:
-        from .cluster.engine_group import EngineGroup
-        from .config.layout import returns_routed_experts
-        from .rollout.manager import RolloutManager
 
         cfg = self.cfg
         self.engine_group = group = EngineGroup(cfg, self.placement, self.model_path, self.run_dir)
@@ -198,7 +220,6 @@ class Loop:
 
     # ------------------------------------------------------------ checkpoints
     def _resume_from(self) -> Path | None:
-        from .training.checkpoint import find_latest
 
         r = self.cfg.resume
         if r == "never":
@@ -211,7 +232,6 @@ class Loop:
         return path
 
     def _restore(self, path: Path) -> None:
-        from .training.checkpoint import read_loop_state
 
         self._need_trainer()
         self.trainer.load(str(path))
@@ -221,7 +241,6 @@ class Loop:
         print(f"resumed from {path}: RL step {self.state.step}, SFT steps {self.state.sft_steps_done}")
 
     def save_checkpoint(self) -> Path:
-        from .training.checkpoint import checkpoint_dir, write_loop_state
 
         path = checkpoint_dir(self.run_dir / CHECKPOINT_DIR, self.state.sft_steps_done + self.state.step)
         # an overlapped rollout already drew its prompts: a resumed run draws them again
@@ -242,7 +261,6 @@ class Loop:
         metrics and compared with the plan's estimate (`vlmrl.config.memory`)."""
         if self.cfg.hardware.device != "cuda":
             return
-        from .config.memory import measured_phase_split
 
         self._measured[phase] = max((measured_phase_split(m) for m in self.trainer.memory_stats()),
                                     key=lambda m: m["total"])
@@ -250,7 +268,6 @@ class Loop:
     def _check_phase_memory(self) -> dict[str, float]:
         """The step's measured phase peaks (GiB) beside the plan's, and the plan's problems
         (printed the first time they appear, kept for summary.json)."""
-        from .config.memory import GIB, compare_phase_memory, phase_estimate_split
 
         measured, self._measured = self._measured, {}
         if not measured:
@@ -301,7 +318,6 @@ class Loop:
 
     # ------------------------------------------------------------ phases
     def evaluate(self) -> dict[str, float]:
-        from .logging.keys import eval_key, eval_mean_reward_key
 
         self._phase("generate")
         prompts = list(self.test_data)
@@ -317,7 +333,6 @@ class Loop:
         return {eval_key(name): acc, eval_mean_reward_key(name): sum(rewards) / n}
 
     def sft(self, steps: int) -> None:
-        from .logging import keys as mk
 
         bs = self.cfg.algo.sft_batch_size
         while self.state.sft_steps_done < steps:
@@ -348,8 +363,6 @@ class Loop:
         return prompts, batch, time.perf_counter() - t0
 
     def rl_step(self) -> dict[str, float]:
-        from .algo import compute_advantages
-        from .logging import keys as mk
 
         cfg, state = self.cfg, self.state
         n = cfg.algo.n_samples_per_prompt
@@ -447,15 +460,7 @@ class Loop:
 
     # ------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
-        from concurrent.futures import ThreadPoolExecutor
 
-        from .cluster.placement import create_placement
-        from .cluster.ray_cluster import ray_cluster
-        from .cluster.trainer_group import TrainerGroup
-        from .config import config_notes
-        from .config.layout import compute_layout
-        from .logging import MetricsLogger
-        from .logging.console import library_log, quiet_libraries
 
         cfg = self.cfg
         quiet_libraries(library_log(self.run_dir))  # notices to the run dir's log, not the screen
@@ -467,7 +472,6 @@ class Loop:
         resume = self._resume_from()
         resume_step = -1
         if resume is not None:
-            from .training.checkpoint import read_loop_state
 
             saved = read_loop_state(resume)
             resume_step = saved["sft_steps_done"] + saved["step"]
@@ -482,8 +486,6 @@ class Loop:
             # and optimizer.
             if cfg.cluster.colocate:
                 self._start_engines()
-                from .cluster.colocation import Colocation
-                from .config.memory import trainer_offload
 
                 self.colo = Colocation(release=self.engine_group.release, resume=self.engine_group.resume,
                                        offload=trainer_offload(cfg))
@@ -569,17 +571,13 @@ class Loop:
         return summary
 
     def _save_hf(self) -> None:
-        from safetensors.torch import save_file
 
-        from .models import families
-        from .models.processor import save_processor
 
         out = self.run_dir / "hf"
         out.mkdir(parents=True, exist_ok=True)
         self._need_trainer()
         state = {k: v.contiguous() for k, v in self.trainer.export_hf().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        import shutil
 
         for name in ("config.json", "generation_config.json"):
             src = Path(self.model_path) / name
