@@ -187,11 +187,16 @@ def sequence_length(cfg: VlmrlConfig) -> int:
 F32 = 4
 
 
+# the torch Gated DeltaNet path's largest chunk
+GDN_MAX_CHUNK = 64
+
+
 def gdn_chunk_size(longest: int) -> int:
     """The chunk the torch Gated DeltaNet path picks for packed samples whose longest has
-    `longest` tokens (`vlmrl.models.gated_delta.chunk_size`; the integration test holds them
-    equal)."""
-    return min(64, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
+    `longest` tokens: 16..64, small for short samples (less padding, smaller C x C systems).
+    The one definition of the rule: `vlmrl.models.gated_delta` chunks by it and the plan
+    counts by it."""
+    return min(GDN_MAX_CHUNK, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config.memory import GDN_MAX_CHUNK
+from ..config.memory import gdn_chunk_size as chunk_size
 from .compat import to_device
 from .kernels import pick
 from .reference_check import worst_relative
 
 BACKENDS = ("torch", "fla")
-CHUNK = 64
+CHUNK = GDN_MAX_CHUNK
 
 
 # --------------------------------------------------------------------------- segments
@@ -119,13 +121,6 @@ def _to_segments(x: Tensor, gather: Tensor, n: int, length: int) -> Tensor:
     """[T, ...] -> [n, length, ...], zero padded at the end of each segment (one gather)."""
     padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
     return padded.index_select(0, gather).view(n, length, *x.shape[1:])
-
-
-def chunk_size(longest: int) -> int:
-    """The chunk `chunk_gated_delta_rule` picks for packed samples whose longest has `longest`
-    tokens: 16..64, small for short samples (less padding, smaller C x C systems). The memory
-    plan mirrors it (`vlmrl.config.memory.gdn_chunk_size`)."""
-    return min(CHUNK, max(16, 1 << max(int(longest / 8) - 1, 1).bit_length()))
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
