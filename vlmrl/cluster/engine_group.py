@@ -79,7 +79,7 @@ class EngineGroup:
     @property
     def can_restart(self) -> bool:
         """A restart needs the engines themselves (not a router) to be the generation targets."""
-        return self.generation is self.admin or list(self.generation) == list(self.admin)
+        return self.generation == self.admin
 
     # ------------------------------------------------------------ embedded engines
     def _new_embedded_actor(self, i: int) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,7 +38,7 @@ from .placement import free_port
 Bucket = list[tuple[str, Any]]  # (HF name, tensor)
 
 
-class WeightTransport:
+class WeightTransport(ABC):
     """One trainer rank's side of the sync to a fixed list of engines (`urls`). Made once and
     kept across syncs; `close` leaves the engines (a restarted engine or new URLs: make another)."""
 
@@ -90,14 +91,17 @@ class WeightTransport:
         self.last_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": count}
         return sent
 
+    @abstractmethod
     def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
-        raise NotImplementedError
+        """Send one bucket (`last`: it flushes the engines' caches and carries `version`)."""
 
     def _settle(self, lap: Callable[[str], None]) -> None:
-        """Wait for whatever is still in flight (pipelined transports)."""
+        """Wait for whatever is still in flight (pipelined transports; nothing here)."""
+        return None
 
     def _abandon(self) -> None:
-        """A sync that failed midway: let anything in flight end first."""
+        """A sync that failed midway: let anything in flight end first (nothing here)."""
+        return None
 
     # ------------------------------------------------------------ sessions and links
     def _each(self, method: str) -> list[Any]:
