@@ -146,6 +146,7 @@ class Loop:
         self.last_sync_bytes = 0  # bytes the last weight sync sent each engine
         self._measured: dict[str, dict[str, float]] = {}  # this step's phase peaks (bytes: total, trainer, others)
         self.memory_problems: list[str] = []  # the first differences from the plan's estimate
+        self.logger: MetricsLogger | None = None  # opened by `run`
 
     # ------------------------------------------------------------ components
     def _resolve_model(self) -> None:
@@ -246,8 +247,18 @@ class Loop:
         # an overlapped rollout already drew its prompts: a resumed run draws them again
         self.state.data = self._data_before_next if self._next is not None else self.train_data.state_dict()
         self._need_trainer()
-        self.trainer.save(str(path), {"rl_step": self.state.step})
+        saved = self.trainer.save(str(path), {"rl_step": self.state.step})
         write_loop_state(path, dataclasses.asdict(self.state))
+        taken = saved["host_rss_peak_bytes"] - saved["host_rss_before_bytes"]
+        dropped = saved["host_copy_dropped_bytes"]
+        print(f"checkpoint {path.name}: {saved['seconds']:.1f} s; host memory taken by the save {taken / GIB:.1f} GiB "
+              f"(plan {saved['host_need_bytes'] / GIB:.1f}; {saved['host_available_bytes'] / GIB:.1f} available)"
+              + (f"; pinned offload copy of {dropped / GIB:.1f} GiB freed first" if dropped else ""))
+        if self.logger is not None:
+            self.logger.log(self.state.sft_steps_done + self.state.step, {
+                mk.PERF_CHECKPOINT_TIME: saved["seconds"], mk.MEMORY_CHECKPOINT_HOST_GIB: taken / GIB,
+                mk.MEMORY_CHECKPOINT_HOST_PLAN_GIB: saved["host_need_bytes"] / GIB,
+                mk.MEMORY_CHECKPOINT_HOST_COPY_DROPPED_GIB: dropped / GIB})
         return path
 
     def _stop_engines(self) -> None:

@@ -17,12 +17,14 @@ from .config import ConfigError, VlmrlConfig, compute_layout, config_notes, to_d
 from .config.layout import LOOPBACK, RANK_ORDER, engine_bind_host
 from .config.memory import (
     GIB,
+    checkpoint_host_bytes,
     count_params,
     estimate_memory,
     offload_host_bytes,
     phase_memory,
     sequence_length,
     trainer_offload,
+    trainer_ranks_per_node,
 )
 from .rollout.auth import KEY_FILE
 
@@ -161,6 +163,14 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
         console.print(f"  offloaded: {_gib(host)} of weights and optimizer state per trainer GPU in pinned host "
                       f"memory ({_gib(host * len(compute_layout(cfg).trainer_devices))} for all "
                       "trainer GPUs); gradients are dropped, not copied")
+    ckpt = checkpoint_host_bytes(cfg, mem)
+    if ckpt:
+        per_node = trainer_ranks_per_node(cfg)
+        console.print(f"  checkpoint save: about {_gib(ckpt)} of host memory per trainer GPU"
+                      + (" beside its pinned copy" if host else "")
+                      + f" ({_gib(per_node * (ckpt + host))} per node of {per_node} trainer GPU(s))"
+                      + ("; where the host lacks it, the save frees the pinned copies first and the next "
+                         "offload pins them again" if host else ""))
     for ph in phases:
         if total_dev and ph.total > total_dev:
             hint = (" (trainer.offload=true moves the trainer's state off the GPUs while the engines generate)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,27 @@ def test_offload_rate_on_a_model_sized_state():
     slowest_out, slowest_in = min(r[0] for r in rates), min(r[1] for r in rates)
     print(f"slowest of three rounds: offload {slowest_out:.1f} GB/s, onload {slowest_in:.1f} GB/s (target 20 each way)")
     assert min(slowest_out, slowest_in) >= 20, rates
+
+    # a checkpoint that needs the host memory frees the pinned copy (the state stays on the
+    # device, intact); the next pause pins it again and the round trip is still exact
+    import psutil
+
+    proc = psutil.Process()
+    kept = off.host_copy_bytes
+    assert kept >= 12 * 2**30, kept
+    rss = proc.memory_info().rss
+    dropped = off.drop_host_copy()
+    freed = rss - proc.memory_info().rss
+    print(f"host copy of {dropped['bytes'] / 2**30:.2f} GiB dropped in {dropped['seconds']:.2f} s: "
+          f"resident memory fell {freed / 2**30:.2f} GiB")
+    assert dropped["bytes"] == kept and off.host_copy_bytes == 0
+    assert freed >= 0.9 * kept, (freed, kept)
+    assert [float(t.double().sum()) for t in state] == sums
+    t0 = time.perf_counter()
+    off.pause()
+    repinned = time.perf_counter() - t0
+    assert off.host_copy_bytes == kept and proc.memory_info().rss >= rss - 0.1 * kept
+    off.resume()
+    print(f"the next pause pinned it again in {repinned:.2f} s")
+    assert [t.data_ptr() for t in state] == ptrs
+    assert [float(t.double().sum()) for t in state] == sums

@@ -51,6 +51,16 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache_dir, tiny_moe
                    "falling back to its reference PyTorch implementation", "Loading weights"):
         assert notice not in console, notice
     assert "Transformer Engine and Apex are not installed" in (straight / "logs" / "libraries.log").read_text()
+    # each checkpoint's save: a console line and its figures in metrics.jsonl at its step (a CPU
+    # rank's state is in host memory already: the plan gives the save nothing more, and there
+    # is no pinned offload copy to free)
+    assert "checkpoint step_000002:" in res.stdout and "checkpoint step_000003:" in res.stdout, res.stdout[-2000:]
+    rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    saves = [r for r in rows if "perf/checkpoint_time" in r]
+    assert [r["step"] for r in saves] == [2, 3], saves
+    for r in saves:
+        assert r["perf/checkpoint_time"] > 0 and r["memory/checkpoint_host_gib"] >= 0, r
+        assert r["memory/checkpoint_host_plan_gib"] == 0 and r["memory/checkpoint_host_copy_dropped_gib"] == 0, r
 
     killed = tmp_path / "killed"
     latest = killed / "checkpoints" / "latest"

@@ -1,11 +1,14 @@
 """The peak of each phase of a step (vlmrl.config.memory.phase_memory), its comparison with
 measurements, and the trainer.offload rules: figures checked by hand on round numbers, and
-the reference recipe, whose colocated rollout only fits with the trainer offloaded."""
+the reference recipe, whose colocated rollout only fits with the trainer offloaded. Host
+memory around a checkpoint's save: what the plan gives it (checkpoint_host_bytes), what the
+host has left and what a save takes (vlmrl.training.checkpoint)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from vlmrl.config import load
@@ -16,9 +19,11 @@ from vlmrl.config.memory import (
     SGLANG_BYTES_PER_KV_TOKEN,
     SGLANG_OUTSIDE_POOL_BYTES,
     MemoryEstimate,
+    checkpoint_host_bytes,
     compare_phase_memory,
     count_params,
     engine_weight_bytes,
+    estimate_memory,
     measured_phase_peak,
     measured_phase_split,
     offload_config_problems,
@@ -28,7 +33,9 @@ from vlmrl.config.memory import (
     phase_memory,
     sglang_kv_tokens,
     trainer_offload,
+    trainer_ranks_per_node,
 )
+from vlmrl.training.checkpoint import HostPeak, host_available_bytes
 
 REFERENCE = ["experiment=geo3k_qwen35"]
 # one H100 shared by the tiny model's trainer and one SGLang engine
@@ -281,3 +288,59 @@ def test_plan_holds_the_scaled_h200_run_within_ten_percent():
         measured = {ph: r[f"memory/{ph}_gib"] * GIB for ph in ("rollout", "train", "sync")}
         assert compare_phase_memory(est, measured) == [], r["step"]
         assert compare_phase_memory({"train": trainer}, {"train": r["memory/train_trainer_gib"] * GIB}) == [], r["step"]
+
+
+# --------------------------------------------------------------- host memory at a checkpoint's save
+def test_checkpoint_host_bytes_counts_the_gathered_optimizer_state_twice():
+    """The scaled 2.88B Qwen3.5-MoE on one H200 (bf16, distributed optimizer): weights staged
+    (2 B a parameter) and the fp32 main parameters and Adam moments (12 B a parameter) gathered
+    and then copied out per parameter: 26 B a parameter beside the 14 B pinned offload copy."""
+    cfg = _cfg(*H200_SCALED)
+    assert cfg.trainer.use_distributed_optimizer
+    mem = estimate_memory(cfg)
+    weights = mem.params / 2
+    need = checkpoint_host_bytes(cfg)
+    assert need == pytest.approx(26 * weights)
+    assert offload_host_bytes(cfg) == pytest.approx(14 * weights)
+    # the 2026-12-04 scaled run's trainer held 107.9 GB of the 125.9 GB host when the host-memory
+    # monitor stopped its final save: pinned copy + save, as the plan counts them, exceed the host
+    assert 100 < (need + offload_host_bytes(cfg)) / GIB < 125.9 * 1e9 / GIB
+    plain = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, use_distributed_optimizer=False))
+    assert checkpoint_host_bytes(plain) == pytest.approx(14 * weights)  # state staged once, no gather
+    assert trainer_ranks_per_node(cfg) == 1
+
+
+def test_cpu_ranks_need_no_host_memory_beyond_their_state():
+    cfg = _cfg("model=tiny_qwen3_5_moe")
+    assert cfg.hardware.device == "cpu" and checkpoint_host_bytes(cfg) == 0.0
+
+
+def test_ranks_per_node_share_the_host():
+    cfg = _cfg("hardware=h200", "cluster.num_gpus=16", "cluster.num_nodes=2", "cluster.colocate=true",
+               "rollout=sglang", "model=tiny_qwen3_5_moe")
+    assert trainer_ranks_per_node(cfg) == 8
+
+
+def test_host_available_bytes_is_capped_by_the_cgroup(tmp_path):
+    import psutil
+
+    kernel = psutil.virtual_memory().available
+    (tmp_path / "memory.max").write_text(f"{3 * GIB}\n")
+    (tmp_path / "memory.current").write_text(f"{1 * GIB}\n")
+    assert host_available_bytes(tmp_path) == min(kernel, 2 * GIB)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert abs(host_available_bytes(tmp_path) - psutil.virtual_memory().available) < 256 * 2**20
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 * GIB))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(2 * GIB + 5))
+    assert host_available_bytes(v1) == 0
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")  # v1's "unlimited"
+    assert host_available_bytes(v1) > 0
+
+
+def test_host_peak_sees_memory_taken_and_freed_inside_the_block():
+    with HostPeak(interval=0.005) as peak:
+        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched
+        del block
+    assert peak.peak - peak.before >= 250 * 2**20, (peak.before, peak.peak)

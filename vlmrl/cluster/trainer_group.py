@@ -138,10 +138,10 @@ class TrainerWorker:
         sd = adapters.export_hf_state_dict(self.trainer.chunks, self.cfg.model)
         return sd if self.rank == 0 else None
 
-    def save(self, path: str, extra: dict[str, Any]) -> None:
+    def save(self, path: str, extra: dict[str, Any]) -> dict[str, float]:
         from ..training.checkpoint import save_checkpoint
 
-        save_checkpoint(self.trainer, path, extra)
+        return save_checkpoint(self.trainer, path, extra)
 
     def load(self, path: str) -> dict[str, Any]:
         from ..training.checkpoint import load_checkpoint
@@ -292,11 +292,14 @@ class TrainerGroup:
         with self._collective():
             return next(sd for sd in ray.get([w.export_hf.remote() for w in self.workers]) if sd is not None)
 
-    def save(self, path: str, extra: dict[str, Any]) -> None:
+    def save(self, path: str, extra: dict[str, Any]) -> dict[str, float]:
+        """Save a checkpoint on every rank; returns the figures of the rank whose host memory
+        peaked highest (`vlmrl.training.checkpoint.save_checkpoint`)."""
         import ray
 
         with self._collective():
-            ray.get([w.save.remote(path, extra) for w in self.workers])
+            figures = ray.get([w.save.remote(path, extra) for w in self.workers])
+        return max(figures, key=lambda f: f["host_rss_peak_bytes"])
 
     def load(self, path: str) -> dict[str, Any]:
         import ray

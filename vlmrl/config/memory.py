@@ -593,6 +593,30 @@ def offload_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> f
     return mem.params * (2 if cfg.algo.kl_coef > 0 else 1) + mem.optimizer
 
 
+def trainer_ranks_per_node(cfg: VlmrlConfig) -> int:
+    """Trainer ranks that share one node's host memory."""
+    layout = compute_layout(cfg)
+    return max(min(layout.devices_per_node, layout.trainer_world_size), 1)
+
+
+def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
+    """Host memory one trainer rank takes while it saves a checkpoint, beyond what it holds
+    anyway (its pinned offload copy, `offload_host_bytes`): the weights staged from the
+    device, and the optimizer state (fp32 main parameters and Adam moments) of its
+    tensor/pipeline/expert slice in host memory. With the distributed optimizer megatron-core's
+    layout-free format gathers that state over the data-parallel group (`fully_reshardable`,
+    vlmrl.training.checkpoint) and the writer then copies each parameter's slice out of the
+    gathered buffers: twice the state. GPU ranks only (a CPU rank's state is in host memory
+    already, and its save writes it from there)."""
+    if cfg.hardware.device != "cuda":
+        return 0.0
+    mem = mem or estimate_memory(cfg)
+    bf16 = cfg.hardware.train_dtype == "bfloat16"
+    weights = mem.params / (2 if bf16 else 4)
+    gathered = weights * ((4 + 8) if bf16 else 8)
+    return mem.params + gathered * (2 if cfg.trainer.use_distributed_optimizer else 1)
+
+
 def phase_estimates(cfg: VlmrlConfig) -> dict[str, float]:
     """Each phase's estimated peak bytes on one GPU (the totals of `phase_memory`), keyed by
     phase: what `compare_phase_memory` takes as `estimate`. Separate GPUs key the engines'

@@ -101,6 +101,13 @@ PERF_OFFLOAD_TIME = "perf/offload_time"
 PERF_ONLOAD_TIME = "perf/onload_time"
 PERF_ENGINE_RELEASE_TIME = "perf/engine_release_time"
 PERF_ENGINE_RESUME_TIME = "perf/engine_resume_time"
+# a checkpoint's save, logged at the step it saves (vlmrl.training.checkpoint.save_checkpoint):
+# the host memory the save took on the most loaded rank, the plan's figure for it, and the
+# pinned offload copy freed first where the host could not hold both
+PERF_CHECKPOINT_TIME = "perf/checkpoint_time"
+MEMORY_CHECKPOINT_HOST_GIB = "memory/checkpoint_host_gib"
+MEMORY_CHECKPOINT_HOST_PLAN_GIB = "memory/checkpoint_host_plan_gib"
+MEMORY_CHECKPOINT_HOST_COPY_DROPPED_GIB = "memory/checkpoint_host_copy_dropped_gib"
 
 # Every fixed key (eval keys depend on the dataset names: see eval_key).
 ROLLOUT_KEYS = (ROLLOUT_RAW_REWARD, ROLLOUT_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_TRUNCATED_RATIO)
@@ -126,6 +133,7 @@ PERF_KEYS = (
     PERF_ONLOAD_TIME,
     PERF_ENGINE_RELEASE_TIME,
     PERF_ENGINE_RESUME_TIME,
+    PERF_CHECKPOINT_TIME,
 )
 RESERVED_KEYS = ("step", "time")
 

@@ -75,21 +75,90 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
-    """Collective over all trainer ranks."""
+def host_available_bytes(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> int:
+    """Host memory this process may still take: the kernel's MemAvailable, or less where the
+    process's cgroup sets a limit (v2 `memory.max` less `memory.current`; v1
+    `memory.limit_in_bytes` less `memory.usage_in_bytes`)."""
+    import psutil
+
+    room = int(psutil.virtual_memory().available)
+    root = Path(cgroup_root)
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap = (root / limit).read_text().strip()
+            used = int((root / usage).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:  # "max", or v1's page-rounded "unlimited"
+            room = min(room, max(int(cap) - used, 0))
+    return room
+
+
+class HostPeak:
+    """The largest resident set size of this process while the block runs (`before`, `peak`
+    in bytes), sampled every `interval` seconds by a thread."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.before = self.peak = 0
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> HostPeak:
+        import threading
+
+        self.before = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="host-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> dict[str, float]:
+    """Collective over all trainer ranks. Returns this rank's figures: `seconds`;
+    `host_need_bytes`, the host memory the plan gives the save (`checkpoint_host_bytes`);
+    `host_available_bytes` before it; `host_copy_dropped_bytes`, the pinned offload copy freed
+    first where the node's ranks would not fit beside it (the next offload pins it again); and
+    the process's resident memory before and at its peak during the save
+    (`host_rss_before_bytes`, `host_rss_peak_bytes`)."""
+    import time
+
     from megatron.core import dist_checkpointing
 
+    from ..config.memory import checkpoint_host_bytes, trainer_ranks_per_node
+
+    t0 = time.perf_counter()
     path = Path(path)
     rank = dist.get_rank()
+    need = checkpoint_host_bytes(trainer.cfg)
+    available = host_available_bytes()
+    dropped = 0.0
+    if trainer.host_copy_bytes and need * trainer_ranks_per_node(trainer.cfg) > available:
+        dropped = trainer.drop_host_copy()["bytes"]
     if rank == 0:
         (path / "dist").mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(trainer), str(path / "dist"))
+    with HostPeak() as host:
+        dist_checkpointing.save(_sharded_state_dict(trainer), str(path / "dist"))
     torch.save(_rng_state(), path / f"rng_{rank}.pt")
     if rank == 0:
         torch.save({"steps": trainer.steps, "scheduler": trainer.scheduler.state_dict(), "extra": extra or {}},
                    path / "trainer.pt")
     dist.barrier()
+    return {"seconds": time.perf_counter() - t0, "host_need_bytes": need, "host_available_bytes": float(available),
+            "host_copy_dropped_bytes": dropped, "host_rss_before_bytes": float(host.before),
+            "host_rss_peak_bytes": float(host.peak)}
 
 
 def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:

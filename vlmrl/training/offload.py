@@ -16,7 +16,8 @@ Two regions:
 - state (weights, parameter buffers, main parameters, optimizer state): a pinned host copy
   is taken at `pause` and copied back at `resume`. The host copy is kept between pauses and
   allocated once, when the trainer is built (`allocate_host_copy`): pinning that much host
-  memory takes far longer than the copies themselves;
+  memory takes far longer than the copies themselves. A checkpoint whose save needs that
+  host memory drops it (`drop_host_copy`) and the next pause allocates it again;
 - grads (the DDP gradient buffers): no host copy. Every step zeroes them before its first
   backward, so their contents between steps are never read; `resume` zeroes them anyway.
 
@@ -129,6 +130,7 @@ class DeviceStateOffload:
         self._placed: dict[int, tuple[str, int]] = {}
         self._built = False
         self.paused = False
+        self._host_copy = False  # a pinned host copy is allocated and kept (see `drop_host_copy`)
         # keep the pinned host copy between pauses, so that only the first pause allocates it
         # (releases before 0.0.10 cannot: each of their pauses allocates it again)
         try:
@@ -205,6 +207,31 @@ class DeviceStateOffload:
         self.resume()
         return time.perf_counter() - t0
 
+    @property
+    def host_copy_bytes(self) -> int:
+        """Pinned host bytes kept between pauses now (0 before the first pause, after
+        `drop_host_copy`, and where the saver does not keep the copy)."""
+        return self.held_bytes()[STATE_TAG] if self._host_copy else 0
+
+    def drop_host_copy(self) -> dict[str, float]:
+        """Free the pinned host copy kept between pauses, for whatever needs the host memory
+        while the state is on the device (a checkpoint's save). torch_memory_saver frees a copy
+        at a resume that does not retain it, so this is one pause and resume with retention
+        off; the next pause allocates the copy again (seconds per 10 GB, `allocate_host_copy`).
+        Returns `bytes` freed and `seconds`; nothing while paused or where no copy is kept."""
+        if not self._host_copy or self.paused:
+            return {"bytes": 0.0, "seconds": 0.0}
+        n = self.host_copy_bytes
+        t0 = time.perf_counter()
+        self.saver.retain_cpu_backup = False
+        try:
+            self.pause()
+            self.resume()
+        finally:
+            self.saver.retain_cpu_backup = True
+        self._host_copy = False
+        return {"bytes": float(n), "seconds": time.perf_counter() - t0}
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the held storages now in each region."""
         out = {STATE_TAG: 0, GRADS_TAG: 0}
@@ -238,6 +265,7 @@ class DeviceStateOffload:
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         self.paused = True
+        self._host_copy = self.retains_host_copy and bool(self.saver.retain_cpu_backup)
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         out = _figures(held[STATE_TAG] + held[GRADS_TAG], held[STATE_TAG], seconds)

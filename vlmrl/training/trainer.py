@@ -313,6 +313,18 @@ class MegatronTrainer:
         self._new_peak_window()
         return out
 
+    @property
+    def host_copy_bytes(self) -> int:
+        """Pinned host memory that holds the offloaded state between steps (0 without offload)."""
+        return self._offload.host_copy_bytes if self._offload is not None else 0
+
+    def drop_host_copy(self) -> dict[str, float]:
+        """Free the pinned host copy of the offloaded state while the state is on the device
+        (see `DeviceStateOffload.drop_host_copy`); the next offload allocates it again."""
+        if self._offload is None:
+            return {"bytes": 0.0, "seconds": 0.0}
+        return self._offload.drop_host_copy()
+
     def onload(self) -> dict[str, Any]:
         """Bring back what `offload` freed, at the same addresses; returns the same figures."""
         if self._offload is None:
