@@ -600,21 +600,28 @@ def trainer_ranks_per_node(cfg: VlmrlConfig) -> int:
 
 
 def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
-    """Host memory one trainer rank takes while it saves a checkpoint, beyond what it holds
-    anyway (its pinned offload copy, `offload_host_bytes`): the weights staged from the
-    device, and the optimizer state (fp32 main parameters and Adam moments) of its
-    tensor/pipeline/expert slice in host memory. With the distributed optimizer megatron-core's
-    layout-free format gathers that state over the data-parallel group (`fully_reshardable`,
-    vlmrl.training.checkpoint) and the writer then copies each parameter's slice out of the
-    gathered buffers: twice the state. GPU ranks only (a CPU rank's state is in host memory
-    already, and its save writes it from there)."""
+    """Host memory one trainer rank takes at the peak of a checkpoint's save, beyond what it
+    holds anyway (its pinned offload copy, `offload_host_bytes`). GPU ranks only: a CPU rank's
+    state is in host memory already, and its save writes it from there.
+
+    With the distributed optimizer megatron-core's layout-free format (`fully_reshardable`,
+    vlmrl.training.checkpoint) first gathers the optimizer state of the rank's
+    tensor/pipeline/expert slice over its data-parallel group, in float32 host buffers of 12 B a
+    parameter (main parameter, two Adam moments): the rank's contiguous shards (12 B; one
+    bucket holds the whole buffer), the gathered world buffers (12 B), and while each of the
+    three is copied in, its gathered copy and their concatenation (2 x 4 B): 32 B a parameter.
+    The write then keeps the world buffers, a copy of each parameter's slice of them (12 B)
+    and the weights staged from the device, less than the gather's peak. Without the
+    distributed optimizer the writer stages the state and the weights once."""
     if cfg.hardware.device != "cuda":
         return 0.0
     mem = mem or estimate_memory(cfg)
-    bf16 = cfg.hardware.train_dtype == "bfloat16"
-    weights = mem.params / (2 if bf16 else 4)
-    gathered = weights * ((4 + 8) if bf16 else 8)
-    return mem.params + gathered * (2 if cfg.trainer.use_distributed_optimizer else 1)
+    weight_bytes = 2 if cfg.hardware.train_dtype == "bfloat16" else 4
+    weights = mem.params / weight_bytes
+    state = 3 * F32  # main parameter (or the fp32 parameter itself) and two Adam moments
+    if cfg.trainer.use_distributed_optimizer:
+        return weights * max(2 * state + 2 * F32, 2 * state + weight_bytes)
+    return weights * (state + weight_bytes)
 
 
 def phase_estimates(cfg: VlmrlConfig) -> dict[str, float]:

@@ -145,6 +145,9 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
     available = host_available_bytes()
     dropped = 0.0
     if trainer.host_copy_bytes and need * trainer_ranks_per_node(trainer.cfg) > available:
+        print(f"checkpoint: the save needs about {need / 2**30:.1f} GiB of host memory per rank and "
+              f"{available / 2**30:.1f} GiB are available: freeing the pinned offload copy "
+              f"({trainer.host_copy_bytes / 2**30:.1f} GiB) first", flush=True)
         dropped = trainer.drop_host_copy()["bytes"]
     if rank == 0:
         (path / "dist").mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,10 @@ def load_memory_saver() -> Any:
 
     Raises ImportError naming the package where it is missing, and RuntimeError where the
     allocator is configured with expandable segments (which the saver cannot hold)."""
+    # megatron-core sets the saver's hook mode when its inference module is imported, and fails
+    # once the saver is initialised: import it first, whichever of the two a process meets first
+    import megatron.core  # noqa: F401
+
     try:
         from torch_memory_saver import torch_memory_saver as saver
     except ImportError as e:
