@@ -95,9 +95,12 @@ def observed(train_metrics: list[dict[str, float]]) -> dict[str, float]:
 def scheduled_steps(cfg: VlmrlConfig) -> int:
     """The optimizer steps the learning-rate schedule spans: `num_steps` supervised steps with
     `algo=sft` (its `sft_steps` is the warm-up of an RL run, which it does not run), else the
-    SFT warm-up and then `num_steps` RL steps."""
+    SFT warm-up and then `num_steps` RL steps; with `trainer.optim.rl_lr` the warm-up alone (RL
+    then starts a schedule of its own, `Loop.run`)."""
     if cfg.algo.name == "sft":
         return cfg.num_steps
+    if cfg.trainer.optim.rl_lr is not None:
+        return max(cfg.algo.sft_steps, 1)
     return cfg.num_steps + cfg.algo.sft_steps
 
 
@@ -529,6 +532,10 @@ class Loop:
             if self.state.sft_steps_done < cfg.algo.sft_steps:
                 self.sft(cfg.algo.sft_steps)
                 self._sync_weights("sft-warmup")
+            if cfg.trainer.optim.rl_lr is not None and self.state.step == 0:
+                # RL's own schedule; a run resumed within RL restored it from its checkpoint
+                lr = self.trainer.start_rl_schedule(cfg.num_steps)
+                print(f"RL learning rate: {lr:.3g} ({cfg.trainer.optim.lr_decay_style} over {cfg.num_steps} steps)")
             offset = self.state.sft_steps_done  # logged step = SFT warm-up steps + RL steps
             if self.state.eval_accuracy_start is None:
                 start = self.evaluate()

@@ -282,3 +282,36 @@ def test_a_small_grpo_step_raises_the_reward_it_was_computed_on(family_checkpoin
     print(cfg.model.family, "gain", gain, res["moved"])
     assert gain > 0
     assert all(a * m > 0 for a, m in zip(res["advantages"], res["moved"])), res
+
+
+def _lr_schedule(rank: int, world: int, cfg, path: str) -> dict:
+    """The learning rate each step used: two warm-up steps on `lr`'s schedule, then RL's own
+    (`start_rl_schedule`), then that schedule's state through a checkpoint-style round trip."""
+    from vlmrl.training.trainer import MegatronTrainer
+
+    samples = _sft_samples(cfg, path)
+    trainer = MegatronTrainer(cfg, path, total_steps=2)
+    lrs = []
+    for _ in range(2):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.sft_step(samples)
+    first = trainer.start_rl_schedule(4)
+    for _ in range(2):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.sft_step(samples)
+    saved = trainer.scheduler.state_dict()
+    fresh = MegatronTrainer(cfg, path, total_steps=2)  # a resumed run builds the warm-up's schedule...
+    fresh.load_scheduler_state(saved)  # ...and its checkpoint's scheduler state restores RL's
+    fresh.scheduler.step(increment=1)
+    return {"lrs": lrs, "first": first, "resumed_next": fresh.optimizer.param_groups[0]["lr"]}
+
+
+def test_rl_phase_starts_its_own_learning_rate_schedule(tiny_config, tiny_checkpoint):
+    """`trainer.optim.rl_lr`: the SFT warm-up decays `lr` over its own steps; RL then starts at
+    `rl_lr` and decays over its steps (linear here), and a checkpoint carries RL's schedule."""
+    optim = dataclasses.replace(tiny_config.trainer.optim, lr=1e-3, rl_lr=2e-4, lr_decay_style="linear", min_lr=0.0)
+    cfg = dataclasses.replace(tiny_config, trainer=dataclasses.replace(tiny_config.trainer, optim=optim))
+    res = spawn_local(_lr_schedule, 1, cfg, tiny_checkpoint)[0]
+    assert res["lrs"] == pytest.approx([1e-3, 5e-4, 2e-4, 1.5e-4]), res
+    assert res["first"] == pytest.approx(2e-4)
+    assert res["resumed_next"] == pytest.approx(5e-5), res  # RL step 4 of 4 after the restored state

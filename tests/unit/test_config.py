@@ -172,6 +172,8 @@ INVALID = [
     (["algo.mis=tokens"], "enum", "tokens"),
     (["algo.mis=token", "algo.mis_high=0.9"], "mis-band", "0 < mis_low < 1 < mis_high"),
     (["rollout.temperature=0"], "rollout-temperature", "GRPO learns nothing"),
+    (["trainer.optim.rl_lr=0"], "rl-lr", "must be > 0"),
+    (["algo=sft", "trainer.optim.rl_lr=1e-5"], "rl-lr", "no RL phase"),
     (["algo.routing_replay=rollout"], "routing-replay", "has no experts"),
     (["rollout.return_routed_experts=true"], "routing-replay", "has no experts"),
     (["model=tiny_qwen3_5_moe", "algo.routing_replay=rollout", "rollout.return_routed_experts=false"],

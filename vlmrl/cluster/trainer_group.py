@@ -128,6 +128,9 @@ class TrainerWorker:
         """Return torch's cached free blocks to the device (see `MegatronTrainer.trim`)."""
         return self.trainer.trim()
 
+    def start_rl_schedule(self, steps: int) -> float:
+        return self.trainer.start_rl_schedule(steps)
+
     def memory_stats(self) -> dict[str, float]:
         """This rank's device memory now (see `MegatronTrainer.memory_stats`)."""
         return self.trainer.memory_stats()
@@ -278,6 +281,14 @@ class TrainerGroup:
 
         with self._collective():
             return ray.get([w.trim.remote() for w in self.workers])[0]
+
+    def start_rl_schedule(self, steps: int) -> float:
+        """Every rank switches to the RL phase's learning-rate schedule (`trainer.optim.rl_lr`);
+        returns the rate of the next step."""
+        import ray
+
+        with self._collective():
+            return ray.get([w.start_rl_schedule.remote(steps) for w in self.workers])[0]
 
     def memory_stats(self) -> list[dict[str, float]]:
         """Each rank's device memory now, in rank order."""

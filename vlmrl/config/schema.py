@@ -288,6 +288,10 @@ class OptimConfig(Sealable):
     adam_eps: float = 1e-8
     weight_decay: float = 0.1
     clip_grad: float = 1.0
+    # The RL phase's peak learning rate after an SFT warm-up (`algo.sft_steps`): the warm-up then
+    # decays `lr` over its own steps, and RL starts a schedule of its own at `rl_lr` (same decay
+    # style, over `num_steps`). null: one schedule from `lr` spans warm-up and RL.
+    rl_lr: float | None = None
 
 
 @dataclass

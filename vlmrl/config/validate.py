@@ -369,6 +369,10 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         fail("pixels", f"data.min_pixels={cfg.data.min_pixels} > data.max_pixels={cfg.data.max_pixels}")
     if r.max_new_tokens < 1:
         fail("positive", f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    rl_lr = cfg.trainer.optim.rl_lr
+    if rl_lr is not None and (rl_lr <= 0 or a.name == "sft"):
+        fail("rl-lr", f"trainer.optim.rl_lr={rl_lr}: the RL phase's peak learning rate must be > 0, and "
+             "algo=sft has no RL phase (its schedule is trainer.optim.lr's)")
     return out
 
 

@@ -183,7 +183,7 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
         use_fused_adam(trainer.optimizer)
     meta = torch.load(path / "trainer.pt", weights_only=False)
     trainer.steps = meta["steps"]
-    trainer.scheduler.load_state_dict(meta["scheduler"])
+    trainer.load_scheduler_state(meta["scheduler"])
     _set_rng_state(torch.load(path / f"rng_{dist.get_rank()}.pt", weights_only=False))
     dist.barrier()
     return meta.get("extra", {})

@@ -422,16 +422,43 @@ class MegatronTrainer:
             use_fused_adam(optimizer)
         return optimizer
 
-    def _scheduler(self, total_steps: int) -> Any:
+    def start_rl_schedule(self, steps: int) -> float:
+        """Replace the learning-rate schedule by the RL phase's own (`trainer.optim.rl_lr`, over
+        `steps` optimizer steps, warm-up and decay style as configured); returns the rate the
+        next step uses. A checkpoint keeps whichever schedule is running (Megatron's scheduler
+        takes its values from the checkpoint at load)."""
+        lr = self.cfg.trainer.optim.rl_lr
+        if lr is None:
+            raise ValueError("trainer.optim.rl_lr is null: the SFT warm-up's schedule runs on through RL")
+        self.scheduler = self._scheduler(steps, lr)
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint's learning-rate schedule (the warm-up's or RL's, whichever was
+        running), its peak and floor included."""
+        self.scheduler.load_state_dict(state)
+        self._bind_lr_bounds(self.scheduler)
+
+    def _bind_lr_bounds(self, scheduler: Any) -> Any:
+        """Megatron's scheduler reads each parameter group's own `max_lr` / `min_lr` (set when
+        the optimizer was built, from `trainer.optim.lr`) before its own: give the groups the
+        schedule's, so that a schedule with another peak (RL's `rl_lr`) is the one applied."""
+        for group in self.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+        scheduler.step(increment=0)  # the groups' rate for the next step, from the bounds just set
+        return scheduler
+
+    def _scheduler(self, total_steps: int, lr: float | None = None) -> Any:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.cfg.trainer.optim
+        lr = o.lr if lr is None else lr
         decay = max(total_steps - o.lr_warmup_steps, 1)
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        return self._bind_lr_bounds(OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else lr, max_lr=lr, min_lr=min(o.min_lr, lr),
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay + o.lr_warmup_steps,
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=decay + o.lr_warmup_steps, wd_incr_style="constant")
+            wd_incr_steps=decay + o.lr_warmup_steps, wd_incr_style="constant"))
 
     # ------------------------------------------------------------------ batches
     def _groups(self, samples: Sequence[TrainSample]) -> list[list[int]]:
