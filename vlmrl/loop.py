@@ -36,9 +36,9 @@ from .config import config_notes
 from .config.layout import compute_layout, returns_routed_experts
 from .config.memory import (
     GIB,
-    compare_phase_memory,
     measured_phase_split,
     phase_estimate_split,
+    phase_memory_metrics,
     trainer_offload,
 )
 from .config.schema import RewardConfig, VlmrlConfig
@@ -287,17 +287,7 @@ class Loop:
         if not measured:
             return {}
         plan = phase_estimate_split(self.cfg)
-        out: dict[str, float] = {}
-        for k, m in measured.items():  # the whole GPU, then the trainer's part and the rest
-            out.update({f"memory/{k}_gib": m["total"] / GIB, f"memory/{k}_trainer_gib": m["trainer"] / GIB,
-                        f"memory/{k}_others_gib": m["others"] / GIB})
-            if k in plan:
-                out.update({f"memory/{k}_plan_gib": plan[k]["total"] / GIB,
-                            f"memory/{k}_plan_trainer_gib": plan[k]["trainer"] / GIB,
-                            f"memory/{k}_plan_others_gib": plan[k]["others"] / GIB})
-        problems = compare_phase_memory({k: v["total"] for k, v in plan.items()},
-                                        {k: m["total"] for k, m in measured.items()})
-        out["memory/plan_problems"] = float(len(problems))
+        out, problems = phase_memory_metrics(plan, measured)
         if problems and not self.memory_problems:
             split = "; ".join(f"{k}: trainer {m['trainer'] / GIB:.1f} GiB (plan {plan[k]['trainer'] / GIB:.1f}), "
                               f"others {m['others'] / GIB:.1f} GiB (plan {plan[k]['others'] / GIB:.1f})"

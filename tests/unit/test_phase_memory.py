@@ -31,6 +31,7 @@ from vlmrl.config.memory import (
     phase_estimate_split,
     phase_estimates,
     phase_memory,
+    phase_memory_metrics,
     sglang_kv_tokens,
     trainer_offload,
     trainer_ranks_per_node,
@@ -367,3 +368,16 @@ def test_host_peak_sees_memory_taken_and_freed_inside_the_block():
         block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched
         del block
     assert peak.peak - peak.before >= 250 * 2**20, (peak.before, peak.peak)
+
+
+def test_phase_memory_metrics_put_measured_and_planned_side_by_side():
+    plan = {"rollout": {"total": 10 * GIB, "trainer": 1 * GIB, "others": 9 * GIB},
+            "train": {"total": 20 * GIB, "trainer": 18 * GIB, "others": 2 * GIB}}
+    measured = {"rollout": {"total": 10.5 * GIB, "trainer": 0.5 * GIB, "others": 10 * GIB},
+                "train": {"total": 25 * GIB, "trainer": 23 * GIB, "others": 2 * GIB}}
+    out, problems = phase_memory_metrics(plan, measured)
+    assert out["memory/rollout_gib"] == 10.5 and out["memory/rollout_plan_others_gib"] == 9
+    assert out["memory/train_trainer_gib"] == 23 and out["memory/train_plan_trainer_gib"] == 18
+    assert out["memory/plan_problems"] == 1.0 and len(problems) == 1 and problems[0].startswith("train: measured 25")
+    out, problems = phase_memory_metrics(plan, {"sync": measured["train"]})
+    assert "memory/sync_plan_gib" not in out and "no estimate" in problems[0]

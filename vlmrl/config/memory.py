@@ -694,3 +694,25 @@ def compare_phase_memory(estimate: dict[str, float], measured: dict[str, float],
             problems.append(f"{phase}: measured {_gib_text(got)}, {abs(rel):.0%} {side} than the estimated "
                             f"{_gib_text(want)} (tolerance {tolerance:.0%})")
     return problems
+
+
+def phase_memory_metrics(plan: Mapping[str, Mapping[str, float]],
+                         measured: Mapping[str, Mapping[str, float]]) -> tuple[dict[str, float], list[str]]:
+    """A step's `memory/` metrics (GiB) and the plan's problems with it. `plan`: bytes per
+    phase and holder (`phase_estimate_split`); `measured`: the same for the phases measured
+    (`measured_phase_split` of the most loaded GPU). Per phase: the whole GPU, the trainer's
+    part and the rest (`memory/<phase>_gib`, `_trainer_gib`, `_others_gib`), the plan's three
+    beside them (`memory/<phase>_plan_gib`, ...), and `memory/plan_problems`, the number of
+    phases off by more than 10% (`compare_phase_memory`)."""
+    out: dict[str, float] = {}
+    for k, m in measured.items():
+        out.update({f"memory/{k}_gib": m["total"] / GIB, f"memory/{k}_trainer_gib": m["trainer"] / GIB,
+                    f"memory/{k}_others_gib": m["others"] / GIB})
+        if k in plan:
+            out.update({f"memory/{k}_plan_gib": plan[k]["total"] / GIB,
+                        f"memory/{k}_plan_trainer_gib": plan[k]["trainer"] / GIB,
+                        f"memory/{k}_plan_others_gib": plan[k]["others"] / GIB})
+    problems = compare_phase_memory({k: v["total"] for k, v in plan.items()},
+                                    {k: m["total"] for k, m in measured.items()})
+    out["memory/plan_problems"] = float(len(problems))
+    return out, problems
