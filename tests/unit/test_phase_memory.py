@@ -364,8 +364,11 @@ def test_host_available_bytes_is_capped_by_the_cgroup(tmp_path):
 
 
 def test_host_peak_sees_memory_taken_and_freed_inside_the_block():
+    import time
+
     with HostPeak(interval=0.005) as peak:
-        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched
+        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched (filled holding the GIL: the sampler waits)
+        time.sleep(0.2)  # held while the block goes on, as a save's buffers are
         del block
     assert peak.peak - peak.before >= 250 * 2**20, (peak.before, peak.peak)
 
