@@ -364,12 +364,18 @@ def test_host_available_bytes_is_capped_by_the_cgroup(tmp_path):
 
 
 def test_host_peak_sees_memory_taken_and_freed_inside_the_block():
+    import mmap
     import time
 
+    # An anonymous mapping of its own: memory the allocator already holds (freed by earlier tests in
+    # this process) would be reused without growing the resident set.
     with HostPeak(interval=0.005) as peak:
-        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched (filled holding the GIL: the sampler waits)
+        region = mmap.mmap(-1, 300 * 2**20)
+        view = np.frombuffer(region, dtype=np.uint8)
+        view[:] = 1  # 300 MiB, touched (filled holding the GIL: the sampler waits)
         time.sleep(0.2)  # held while the block goes on, as a save's buffers are
-        del block
+        del view
+        region.close()
     assert peak.peak - peak.before >= 250 * 2**20, (peak.before, peak.peak)
 
 
