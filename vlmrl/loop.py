@@ -171,12 +171,18 @@ class Loop:
         self.processor = load_processor(self.model_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
         self.train_data = PromptDataset(d, d.train_split, self.processor)
         self.test_data = PromptDataset(d, d.test_split, self.processor)
-        self.pool = RewardPool(build_verifier(verifier_params(cfg.reward)), num_workers=cfg.reward.num_workers,
-                               timeout_s=cfg.reward.timeout_s)
-        # evaluations score correctness: the training reward's verifier, or the one named
-        self.eval_pool = self.pool if not cfg.reward.eval_target else RewardPool(
-            build_verifier({"_target_": cfg.reward.eval_target, "name": "eval"}), num_workers=0,
-            timeout_s=cfg.reward.timeout_s)
+        verifier = build_verifier(verifier_params(cfg.reward))
+        self.pool = RewardPool(verifier, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+        # evaluations score correctness: the training reward's verifier without its format
+        # requirement, or the one named
+        if cfg.reward.eval_target:
+            verifier = build_verifier({"_target_": cfg.reward.eval_target, "name": "eval"})
+        elif verifier.format_pattern is not None:
+            verifier = dataclasses.replace(verifier, format_pattern=None)
+        else:
+            verifier = None
+        self.eval_pool = self.pool if verifier is None else RewardPool(
+            verifier, num_workers=0, timeout_s=cfg.reward.timeout_s)
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:

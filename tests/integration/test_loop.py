@@ -287,6 +287,22 @@ def test_control_rewards_are_evaluated_for_correctness(tmp_path, cache_dir):
         loop.pool.close()
 
 
+def test_a_format_requirement_shapes_the_training_reward_not_the_evaluation(tmp_path, cache_dir):
+    """`reward=answer_only` gives a junk-prefixed right answer 0 in training; evaluations
+    still score the answer (an evaluation under the format rule would measure the format)."""
+    from vlmrl.loop import Loop
+
+    loop = Loop(_config(tmp_path, cache_dir, ["reward=answer_only"]))
+    loop._setup()
+    try:
+        replies, labels = ["Answer: \\boxed{4}", "Answer 146Answer: \\boxed{4}"], ["4", "4"]
+        assert loop.pool.score(replies, labels) == [1.0, 0.0]
+        assert loop.eval_pool.score(replies, labels) == [1.0, 1.0]
+        assert loop.eval_pool.scorer.format_pattern is None
+    finally:
+        loop.pool.close()
+
+
 @pytest.mark.parametrize("serve_http", [False, True], ids=["ray", "http"])
 def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, cache_dir, monkeypatch, serve_http):
     """kill -9 of the engine process while step 1's rollout is in flight: the manager sees

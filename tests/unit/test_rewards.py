@@ -281,6 +281,36 @@ def test_build_verifier_errors() -> None:
         Geo3kVerifier(tolerance=-1.0)
 
 
+def test_format_pattern_asks_for_the_whole_reply() -> None:
+    """`format_pattern` scores 0 for a reply with anything around its answer, whatever the box
+    says; a well-formed reply scores as without it (1, or format_score when wrong)."""
+    pattern = r"Answer: \\boxed\{[^{}]*\}"
+    strict = get_verifier("math", format_pattern=pattern, format_score=0.1)
+    assert strict("Answer: \\boxed{4}", "4") == 1.0
+    assert strict(" Answer: \\boxed{4}\n", "4") == 1.0  # surrounding whitespace is not the reply's shape
+    assert strict("Answer: \\boxed{3}", "4") == 0.1
+    for junk in ("Answer 146Answer: \\boxed{4}", "Answer: \\boxed{3} \\boxed{4}", "Answer: \\boxed{4} ok",
+                 "Answer:\n\\boxed{4}"):
+        assert MATH(junk, "4") == 1.0 and strict(junk, "4") == 0.0, junk
+    assert get_verifier("math", format_pattern=r"(?s).*\\boxed\{.*\}")("a\nb \\boxed{4}", "4") == 1.0
+    assert pickle.loads(pickle.dumps(strict)) == strict
+    with pytest.raises(ValueError, match=r"format_pattern '\(' is not a regular expression"):
+        get_verifier("math", format_pattern="(")
+    for control in ("coin_flip", "constant"):
+        with pytest.raises(ValueError, match="format_pattern must be unset"):
+            get_verifier(control, format_pattern=pattern)
+
+
+def test_the_answer_only_reward_config_builds_the_pattern_it_documents() -> None:
+    from vlmrl.config import load
+    from vlmrl.loop import verifier_params
+
+    verifier = build_verifier(verifier_params(load(["reward=answer_only"]).reward))
+    assert isinstance(verifier, MathVerifier)
+    assert verifier("Answer: \\boxed{4}", "4") == 1.0
+    assert verifier("Answer 146Answer: \\boxed{4}", "4") == 0.0
+
+
 # -- RewardPool ---------------------------------------------------------------------------
 
 POOL_RESPONSES = [response for response, *_ in CASES]

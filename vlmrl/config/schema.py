@@ -156,6 +156,9 @@ class RewardConfig(Sealable):
     # reward of a well-formed boxed answer that is wrong, in [0, 1); no answer, or one
     # offering more values than the label, still scores 0; a match scores 1
     format_score: float = 0.0
+    # a regular expression the whole reply must match to earn any training reward (null: none);
+    # evaluations score the answer alone
+    format_pattern: str | None = None
     timeout_s: float = 1.0
     num_workers: int = 2  # worker processes scoring off the critical path; 0 = inline
     # the verifier of evaluations (`_target_` of a Verifier with its defaults); null: the

@@ -40,6 +40,7 @@ class CoinFlipVerifier(Verifier):
                 f"CoinFlipVerifier: format_score must be 0 (the control ignores format and correctness), "
                 f"got {self.format_score}"
             )
+        _refuse_format_pattern(self)
         object.__setattr__(self, "_calls", itertools.count())
 
     def __call__(self, response: str, answer: str) -> float:
@@ -58,8 +59,18 @@ class ConstantVerifier(Verifier):
     name: str = "constant"
     format_score: float = 0.9
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _refuse_format_pattern(self)
+
     def __call__(self, response: str, answer: str) -> float:
         return float(self.format_score)
 
     def matches(self, prediction: Answer, label: Answer) -> bool:  # never consulted
         raise NotImplementedError("the constant control does not compare answers")
+
+
+def _refuse_format_pattern(verifier: Verifier) -> None:
+    if verifier.format_pattern is not None:
+        raise ValueError(f"{type(verifier).__name__}: format_pattern must be unset (a control scores every "
+                         f"response alike), got {verifier.format_pattern!r}")
