@@ -435,7 +435,7 @@ class Loop:
 
         metrics = rollout_metrics(records, rewards)
         last = train_metrics[-1] if train_metrics else {}
-        for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl", "tis_mean",
+        for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl", "kl", "tis_mean",
                     "mis_masked_frac", "train_rollout_logprob_abs_diff"):
             if key in last:
                 metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
@@ -527,6 +527,9 @@ class Loop:
                 return self._finish(ev, ev)
             if self.state.sft_steps_done < cfg.algo.sft_steps:
                 self.sft(cfg.algo.sft_steps)
+                if cfg.algo.kl_coef > 0 and cfg.algo.kl_reference == "warmup":
+                    self.trainer.set_reference_to_policy()  # checkpoints keep it from here on
+                    print("KL reference: the policy after the SFT warm-up")
                 self._sync_weights("sft-warmup")
             if cfg.trainer.optim.rl_lr is not None and self.state.step == 0:
                 # RL's own schedule; a run resumed within RL restored it from its checkpoint

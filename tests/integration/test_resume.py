@@ -1,5 +1,6 @@
 """Fault tolerance: a CPU run killed with SIGKILL and resumed (`resume=auto`) gives the
-same metrics for its next step as an uninterrupted run. The model is the tiny Qwen3.5-MoE:
+same metrics for its next step as an uninterrupted run, the KL term's reference (the policy
+after the SFT warm-up, which only the checkpoint still holds) included. The model is the tiny Qwen3.5-MoE:
 its checkpoint holds Gated DeltaNet and attention layers under per-layer keys, the routed
 experts and their Adam moments. The uninterrupted run's console is checked too: one line per
 SFT step and per RL step, library notices in the run dir's log instead."""
@@ -20,9 +21,10 @@ ARGS = [
     "rollout.batch_size=4", "algo.n_samples_per_prompt=4", "trainer.global_batch_size=8",
     "rollout.max_new_tokens=12", "logger.wandb=false", "model=tiny_qwen3_5_moe",
     "data.synthetic.num_train=64", "data.synthetic.num_test=8",
+    "algo.kl_coef=0.05",  # the reference (the policy after the warm-up) must come back from the checkpoint
 ]
 COMPARED = ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/entropy", "train/grad_norm",
-            "train/pg_clipfrac", "train/train_rollout_logprob_abs_diff")
+            "train/pg_clipfrac", "train/train_rollout_logprob_abs_diff", "train/kl")
 
 
 def command(run_dir: Path) -> list[str]:
@@ -47,6 +49,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache_dir, tiny_moe
     # the console: progress lines, no library notices (those are in the run dir's log)
     console = res.stdout + res.stderr
     assert "sft 1/1 | loss" in res.stdout and "step 2 | reward" in res.stdout, res.stdout[-2000:]
+    assert "KL reference: the policy after the SFT warm-up" in res.stdout
     for notice in ("Transformer Engine and Apex are not installed", "Started a local Ray instance",
                    "falling back to its reference PyTorch implementation", "Loading weights"):
         assert notice not in console, notice

@@ -315,3 +315,42 @@ def test_rl_phase_starts_its_own_learning_rate_schedule(tiny_config, tiny_checkp
     assert res["lrs"] == pytest.approx([1e-3, 5e-4, 2e-4, 1.5e-4]), res
     assert res["first"] == pytest.approx(2e-4)
     assert res["resumed_next"] == pytest.approx(5e-5), res  # RL step 4 of 4 after the restored state
+
+
+def _kl_reference(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
+    """The KL term's reference before and after `set_reference_to_policy`, through a checkpoint."""
+    import dataclasses
+
+    from vlmrl.models import adapters
+    from vlmrl.training.checkpoint import load_checkpoint, save_checkpoint
+    from vlmrl.training.trainer import MegatronTrainer
+
+    cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, kl_coef=0.5))
+    sft = _sft_samples(cfg, path)
+    rl = [dataclasses.replace(s, advantage=1.0 if k % 2 else -1.0) for k, s in enumerate(sft)]
+    trainer = MegatronTrainer(cfg, path)
+    trainer.sft_step(sft)  # the warm-up moves the policy away from the start checkpoint
+    kl_initial = trainer.train_step(rl)["kl"]
+    trainer.set_reference_to_policy()
+    kl_warmup = trainer.train_step(rl)["kl"]  # one optimizer step: every micro-batch sees the reference's weights
+    save_checkpoint(trainer, ckpt)
+    saved = adapters.export_hf_state_dict(trainer.ref_chunks, cfg.model)
+    fresh = MegatronTrainer(cfg, path)
+    started = adapters.export_hf_state_dict(fresh.ref_chunks, cfg.model)
+    load_checkpoint(fresh, ckpt)
+    loaded = adapters.export_hf_state_dict(fresh.ref_chunks, cfg.model)
+    return {"kl_initial": kl_initial, "kl_warmup": kl_warmup, "reference": fresh.reference,
+            "loaded_equal": all(bool((saved[k] == loaded[k]).all()) for k in saved),
+            "moved": sum(not bool((saved[k] == started[k]).all()) for k in saved), "keys": len(saved)}
+
+
+def test_kl_reference_is_the_policy_after_the_warm_up_and_checkpointed(tiny_moe_config, tiny_moe_checkpoint,
+                                                                         tmp_path):
+    """`algo.kl_reference=warmup`: after the warm-up the reference takes the policy's weights
+    (the KL of the next on-policy step is 0; against the start checkpoint it is not), and a
+    checkpoint carries that reference, which a resumed trainer loads instead of the start's."""
+    res = spawn_local(_kl_reference, 1, tiny_moe_config, tiny_moe_checkpoint, str(tmp_path / "ckpt"))[0]
+    assert res["kl_initial"] > 1e-4, res
+    assert abs(res["kl_warmup"]) < 1e-6, res
+    assert res["reference"] == "warmup" and res["loaded_equal"], res
+    assert res["moved"] > res["keys"] // 2, res  # the saved reference is the warmed-up policy, not the start

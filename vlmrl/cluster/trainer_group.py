@@ -131,6 +131,9 @@ class TrainerWorker:
     def start_rl_schedule(self, steps: int) -> float:
         return self.trainer.start_rl_schedule(steps)
 
+    def set_reference_to_policy(self) -> None:
+        self.trainer.set_reference_to_policy()
+
     def memory_stats(self) -> dict[str, float]:
         """This rank's device memory now (see `MegatronTrainer.memory_stats`)."""
         return self.trainer.memory_stats()
@@ -289,6 +292,13 @@ class TrainerGroup:
 
         with self._collective():
             return ray.get([w.start_rl_schedule.remote(steps) for w in self.workers])[0]
+
+    def set_reference_to_policy(self) -> None:
+        """Every rank's reference model (the KL term's) takes the policy's current weights."""
+        import ray
+
+        with self._collective():
+            ray.get([w.set_reference_to_policy.remote() for w in self.workers])
 
     def memory_stats(self) -> list[dict[str, float]]:
         """Each rank's device memory now, in rank order."""

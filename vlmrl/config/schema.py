@@ -259,6 +259,9 @@ class AlgoConfig(Sealable):
     loss_agg_mode: str = "token_mean"
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    # the policy the KL term holds RL to: warmup (the policy at the end of the SFT warm-up, the
+    # start checkpoint without one) | initial (the start checkpoint, also after a warm-up)
+    kl_reference: str = "warmup"
     entropy_coef: float = 0.0
     # Truncated importance sampling against the rollout engine's logprobs.
     tis: bool = False

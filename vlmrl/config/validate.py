@@ -48,6 +48,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "algo.policy_loss": ("ppo", "gspo"),
     "algo.loss_agg_mode": ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "token_sum_norm"),
     "algo.kl_type": ("k1", "k2", "k3", "low_var_kl"),
+    "algo.kl_reference": ("warmup", "initial"),
     "algo.mis": ("none", "token", "sequence"),
     "algo.routing_replay": ("none", "rollout"),
     "trainer.moe_router_precision": ("fp32", "engine"),

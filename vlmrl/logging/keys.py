@@ -43,6 +43,8 @@ train (averaged over the step's optimizer updates)
                                 numerics, plus one update of staleness in async mode
   train/tis_mean                mean truncated importance weight min(exp(old - rollout), cap)
                                 (algo.tis)
+  train/kl                      the KL term (algo.kl_type, before algo.kl_coef) to the reference
+                                policy (algo.kl_reference), aggregated as the loss; kl_coef > 0
   train/mis_masked_frac         share of loss tokens masked out because exp(old - rollout), per
                                 token or per sequence, left [mis_low, mis_high] (algo.mis)
 perf (seconds unless stated)
@@ -88,6 +90,7 @@ TRAIN_PPO_KL = "train/ppo_kl"
 TRAIN_ROLLOUT_LOGPROB_ABS_DIFF = "train/train_rollout_logprob_abs_diff"
 TRAIN_TIS_MEAN = "train/tis_mean"
 TRAIN_MIS_MASKED_FRAC = "train/mis_masked_frac"
+TRAIN_KL = "train/kl"
 
 PERF_ROLLOUT_TIME = "perf/rollout_time"
 PERF_TRAIN_TIME = "perf/train_time"
@@ -120,6 +123,8 @@ TRAIN_KEYS = (
     TRAIN_PPO_KL,
     TRAIN_ROLLOUT_LOGPROB_ABS_DIFF,
     TRAIN_TIS_MEAN,
+    TRAIN_MIS_MASKED_FRAC,
+    TRAIN_KL,
 )
 PERF_KEYS = (
     PERF_ROLLOUT_TIME,

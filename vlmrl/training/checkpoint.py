@@ -39,17 +39,39 @@ LOOP_STATE = "loop.json"
 DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
 
 
-def _sharded_state_dict(trainer: Any, *, is_loading: bool = False) -> dict[str, Any]:
-    """Model chunks + optimizer. `is_loading` makes the optimizer create its (Adam) state
-    first, so that the loaded moments have somewhere to go (a fresh optimizer has none)."""
+REFERENCE_PREFIX = "ref."
+
+
+def _sharded_state_dict(trainer: Any, *, is_loading: bool = False, reference: bool = False) -> dict[str, Any]:
+    """Model chunks + optimizer, and with `reference` the KL term's reference model (under
+    `ref.`-prefixed keys). `is_loading` makes the optimizer create its (Adam) state first, so
+    that the loaded moments have somewhere to go (a fresh optimizer has none)."""
     model_sd: dict[str, Any] = {}
     for i, chunk in enumerate(trainer.chunks):
-        model_sd[f"model{i}" if len(trainer.chunks) > 1 else "model"] = chunk.sharded_state_dict()
+        model_sd[_chunk_key("model", i, trainer.chunks)] = chunk.sharded_state_dict()
     metadata = ({"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING}
                 if trainer.distributed_optimizer else None)
     optim_sd = trainer.optimizer.sharded_state_dict(model_sd if len(trainer.chunks) > 1 else model_sd["model"],
                                                     is_loading=is_loading, metadata=metadata)
-    return {**model_sd, "optimizer": optim_sd}
+    ref_sd = {}
+    if reference:
+        for i, chunk in enumerate(trainer.ref_chunks):
+            ref_sd[_chunk_key("ref", i, trainer.ref_chunks)] = chunk.sharded_state_dict(prefix=REFERENCE_PREFIX)
+    return {**model_sd, "optimizer": optim_sd, **ref_sd}
+
+
+def _chunk_key(name: str, i: int, chunks: list[Any]) -> str:
+    return f"{name}{i}" if len(chunks) > 1 else name
+
+
+def _saves_reference(trainer: Any) -> bool:
+    """The reference model is saved when it is not the start checkpoint (which a resumed run
+    loads again anyway): after `set_reference_to_policy`."""
+    return getattr(trainer, "ref_chunks", None) is not None and trainer.reference != "initial"
+
+
+def _strip_prefix(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -153,11 +175,11 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
         (path / "dist").mkdir(parents=True, exist_ok=True)
     dist.barrier()
     with HostPeak() as host:
-        dist_checkpointing.save(_sharded_state_dict(trainer), str(path / "dist"))
+        dist_checkpointing.save(_sharded_state_dict(trainer, reference=_saves_reference(trainer)), str(path / "dist"))
     torch.save(_rng_state(), path / f"rng_{rank}.pt")
     if rank == 0:
-        torch.save({"steps": trainer.steps, "scheduler": trainer.scheduler.state_dict(), "extra": extra or {}},
-                   path / "trainer.pt")
+        torch.save({"steps": trainer.steps, "scheduler": trainer.scheduler.state_dict(), "extra": extra or {},
+                    "reference": trainer.reference if _saves_reference(trainer) else "initial"}, path / "trainer.pt")
     dist.barrier()
     return {"seconds": time.perf_counter() - t0, "host_need_bytes": need, "host_available_bytes": float(available),
             "host_copy_dropped_bytes": dropped, "host_rss_before_bytes": float(host.before),
@@ -175,13 +197,20 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
         from .offload import init_optimizer_state
 
         init_optimizer_state(trainer.optimizer)
-    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path / "dist"))
+    meta = torch.load(path / "trainer.pt", weights_only=False)
+    # the reference model, where the checkpoint has one (a run without the KL term skips it)
+    reference = meta.get("reference", "initial") != "initial" and getattr(trainer, "ref_chunks", None) is not None
+    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True, reference=reference),
+                                    str(path / "dist"))
     for i, chunk in enumerate(trainer.chunks):
-        chunk.load_state_dict(state[f"model{i}" if len(trainer.chunks) > 1 else "model"])
+        chunk.load_state_dict(state[_chunk_key("model", i, trainer.chunks)])
+    if reference:
+        for i, chunk in enumerate(trainer.ref_chunks):
+            chunk.load_state_dict(_strip_prefix(state[_chunk_key("ref", i, trainer.ref_chunks)], REFERENCE_PREFIX))
+        trainer.reference = meta["reference"]
     trainer.optimizer.load_state_dict(state["optimizer"])
     if compat.cuda_available():  # the loaded param groups carry the saved implementation flags
         use_fused_adam(trainer.optimizer)
-    meta = torch.load(path / "trainer.pt", weights_only=False)
     trainer.steps = meta["steps"]
     trainer.load_scheduler_state(meta["scheduler"])
     _set_rng_state(torch.load(path / f"rng_{dist.get_rank()}.pt", weights_only=False))

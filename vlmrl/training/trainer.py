@@ -179,6 +179,9 @@ class MegatronTrainer:
         self._check_attention_backend()
         adapters.load_hf_weights(chunks, cfg.model, model_path)
         self.ref_chunks = None
+        # what the reference model holds: "initial" (the start checkpoint) or "warmup" (the
+        # policy at the end of the SFT warm-up, `set_reference_to_policy`); checkpoints keep it
+        self.reference = "initial"
         if cfg.algo.kl_coef > 0:
             self.ref_chunks = build()
             adapters.load_hf_weights(self.ref_chunks, cfg.model, model_path)
@@ -432,6 +435,19 @@ class MegatronTrainer:
             raise ValueError("trainer.optim.rl_lr is null: the SFT warm-up's schedule runs on through RL")
         self.scheduler = self._scheduler(steps, lr)
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_reference_to_policy(self) -> None:
+        """The KL term's reference becomes the policy as it is now (the end of the SFT warm-up,
+        `algo.kl_reference=warmup`): each rank copies its shards of the weights."""
+        if self.ref_chunks is None:
+            raise ValueError("algo.kl_coef is 0: there is no reference model to set")
+        self._on_device("set_reference_to_policy")
+        with torch.no_grad():
+            for chunk, ref in zip(self.chunks, self.ref_chunks, strict=True):
+                policy = dict(chunk.named_parameters())
+                for name, p in ref.named_parameters():
+                    p.copy_(policy[name])
+        self.reference = "warmup"
 
     def load_scheduler_state(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's learning-rate schedule (the warm-up's or RL's, whichever was
