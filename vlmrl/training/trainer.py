@@ -403,8 +403,9 @@ class MegatronTrainer:
     @property
     def distributed_optimizer(self) -> bool:
         """Whether the optimizer state is sharded over data parallelism (Megatron's
-        DistributedOptimizer). gloo has no reduce-scatter and the optimizer takes CUDA
-        parameters only: NCCL runs only."""
+        DistributedOptimizer). NCCL runs only: megatron-core 0.16's DistributedOptimizer takes
+        CUDA parameters alone (a type check on `torch.cuda.*Tensor`), although torch 2.13's gloo
+        has the reduce-scatter it needs."""
         return self.cfg.trainer.use_distributed_optimizer and self.cfg.hardware.dist_backend == "nccl"
 
     def _optimizer(self) -> Any:
