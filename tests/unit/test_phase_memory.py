@@ -313,6 +313,9 @@ def test_checkpoint_host_bytes_counts_the_optimizer_gather():
     assert need < host < need + offload_host_bytes(cfg)
     plain = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, use_distributed_optimizer=False))
     assert checkpoint_host_bytes(plain) == pytest.approx(14 * weights)  # staged once, no gather
+    # the KL term's reference model is staged beside the weights (it is saved once warmed up)
+    kl = dataclasses.replace(plain, algo=dataclasses.replace(plain.algo, kl_coef=0.01))
+    assert checkpoint_host_bytes(kl) == pytest.approx(16 * weights)
     fp32 = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, train_dtype="float32"))
     assert checkpoint_host_bytes(fp32) == pytest.approx(32 * estimate_memory(fp32).params / 4)
     assert trainer_ranks_per_node(cfg) == 1

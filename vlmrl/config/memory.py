@@ -612,16 +612,19 @@ def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -
     three is copied in, its gathered copy and their concatenation (2 x 4 B): 32 B a parameter.
     The write then keeps the world buffers, a copy of each parameter's slice of them (12 B)
     and the weights staged from the device, less than the gather's peak. Without the
-    distributed optimizer the writer stages the state and the weights once."""
+    distributed optimizer the writer stages the state and the weights once. The KL term's
+    reference model (`algo.kl_coef` > 0) is staged beside the weights: checkpoints keep it once
+    it is the policy after the warm-up."""
     if cfg.hardware.device != "cuda":
         return 0.0
     mem = mem or estimate_memory(cfg)
     weight_bytes = 2 if cfg.hardware.train_dtype == "bfloat16" else 4
     weights = mem.params / weight_bytes
+    staged = weight_bytes * (2 if cfg.algo.kl_coef > 0 else 1)
     state = 3 * F32  # main parameter (or the fp32 parameter itself) and two Adam moments
     if cfg.trainer.use_distributed_optimizer:
-        return weights * max(2 * state + 2 * F32, 2 * state + weight_bytes)
-    return weights * (state + weight_bytes)
+        return weights * max(2 * state + 2 * F32, 2 * state + staged)
+    return weights * (state + staged)
 
 
 def phase_estimates(cfg: VlmrlConfig) -> dict[str, float]:
