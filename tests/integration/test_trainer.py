@@ -344,12 +344,11 @@ def _kl_reference(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
             "moved": sum(not bool((saved[k] == started[k]).all()) for k in saved), "keys": len(saved)}
 
 
-def test_kl_reference_is_the_policy_after_the_warm_up_and_checkpointed(tiny_moe_config, tiny_moe_checkpoint,
-                                                                         tmp_path):
+def test_kl_reference_is_the_policy_after_the_warm_up_and_checkpointed(tiny_config, tiny_checkpoint, tmp_path):
     """`algo.kl_reference=warmup`: after the warm-up the reference takes the policy's weights
     (the KL of the next on-policy step is 0; against the start checkpoint it is not), and a
     checkpoint carries that reference, which a resumed trainer loads instead of the start's."""
-    res = spawn_local(_kl_reference, 1, tiny_moe_config, tiny_moe_checkpoint, str(tmp_path / "ckpt"))[0]
+    res = spawn_local(_kl_reference, 1, tiny_config, tiny_checkpoint, str(tmp_path / "ckpt"))[0]
     assert res["kl_initial"] > 1e-4, res
     assert abs(res["kl_warmup"]) < 1e-6, res
     assert res["reference"] == "warmup" and res["loaded_equal"], res
