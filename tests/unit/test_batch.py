@@ -121,7 +121,8 @@ def test_verifier_params_reject_parameters_the_verifier_does_not_take():
 
     cfg = load([])
     assert verifier_params(cfg.reward) == {"_target_": "vlmrl.rewards.math.MathVerifier", "name": "math",
-                                           "timeout_s": 1.0, "num_workers": 2, "format_score": 0.0}
+                                           "timeout_s": 1.0, "num_workers": 2, "format_score": 0.0,
+                                           "format_pattern": None}
     geo = load(["reward=geo3k_tol05"]).reward
     assert verifier_params(geo)["tolerance"] == 0.05
     bad = dataclasses.replace(cfg.reward, tolerance=0.05)
