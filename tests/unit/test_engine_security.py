@@ -82,6 +82,12 @@ def test_a_real_ipc_payload_names_only_admitted_globals(monkeypatch):
             type(t), t.size(), t.stride(), t.storage_offset(), type(storage), t.dtype, 0, b"h" * 64,
             storage.nbytes(), 0, t.requires_grad, b"r" * 16, 0, b"e" * 64, True)
 
+    from multiprocessing.reduction import ForkingPickler
+
+    # serialize_ipc registers torch's reductions with ForkingPickler, which would keep the CUDA
+    # one for the rest of this process (a later spawn of a rank would pickle CPU tensors as
+    # CUDA handles): the registrations go into a copy that the teardown drops
+    monkeypatch.setattr(ForkingPickler, "_extra_reducers", dict(ForkingPickler._extra_reducers))
     monkeypatch.setattr(reductions, "reduce_tensor", cuda_reduction)
     monkeypatch.setattr(weights, "_device_uuid", lambda i: "GPU-00000000-0000-0000-0000-000000000000")
     bucket = [("a.weight", torch.randn(3, 4, dtype=torch.bfloat16)), ("b.bias", torch.randn(5)),
