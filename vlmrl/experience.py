@@ -3,8 +3,8 @@
 A step's rollout records (prompt, generated tokens, their logprobs and, with an MoE, the
 experts each token went through) become packed-ready `TrainSample`s with the processor's
 prompt tokens in front, exactly as the engine saw them; SFT prompts become supervised samples;
-a rollout's records give its metrics. Samples that cannot be trained on are left out and
-counted by reason. No engine, trainer or Ray here: data in, data out.
+a rollout's records give its metrics and the rows samples.jsonl keeps. Samples that cannot be
+trained on are left out and counted by reason. No engine, trainer or Ray here: data in, data out.
 """
 
 from __future__ import annotations
@@ -108,3 +108,30 @@ def rollout_metrics(records: Sequence[SampleRecord], rewards: Sequence[float]) -
         mk.ROLLOUT_RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in records) / n,
         mk.ROLLOUT_TRUNCATED_RATIO: sum(r.truncated for r in records) / n,
     }
+
+
+
+def sample_rows(records: Sequence[SampleRecord], rewards: Sequence[float], *, groups: int,
+                advantages: Sequence[float] | None = None, prompts: Mapping[int, Prompt] | None = None,
+                kind: str = "rollout") -> list[dict[str, Any]]:
+    """What `samples.jsonl` keeps of a rollout: every sample of its first `groups` prompt groups
+    (in the order they were drawn), each with its reply, reward and, for a training rollout, its
+    advantage; the prompt's text (from `prompts`) rides on the group's first sample. An evaluation
+    (one greedy reply a prompt) passes each reply as a group of one."""
+    keep = set(sorted({r.group_index for r in records})[:max(groups, 0)])
+    rows = []
+    for i, rec in enumerate(records):
+        if rec.group_index not in keep:
+            continue
+        row: dict[str, Any] = {
+            "kind": kind, "prompt_index": rec.prompt_index, "group": rec.group_index, "sample": rec.sample_index,
+            "answer": rec.answer, "response": rec.text, "response_tokens": len(rec.response_ids),
+            "finish_reason": rec.finish_reason, "reward": float(rewards[i])}
+        if advantages is not None:
+            row["advantage"] = float(advantages[i])
+        if rec.weight_version is not None:
+            row["weight_version"] = rec.weight_version
+        if prompts is not None and rec.sample_index == 0 and rec.prompt_index in prompts:
+            row["prompt"] = prompts[rec.prompt_index].prompt_text
+        rows.append(row)
+    return rows

@@ -43,7 +43,7 @@ from .config.memory import (
 )
 from .config.schema import RewardConfig, VlmrlConfig
 from .data.prompts import PromptDataset
-from .experience import rollout_metrics, rollout_prompt, sft_samples, train_samples
+from .experience import rollout_metrics, rollout_prompt, sample_rows, sft_samples, train_samples
 from .logging import MetricsLogger
 from .logging import keys as mk
 from .logging.console import library_log, quiet_libraries
@@ -337,10 +337,17 @@ class Loop:
         answers = {p.index: p.answer for p in prompts}
         rewards = self.eval_pool.score([r.text for r in batch.records],
                                        [answers[r.prompt_index] for r in batch.records])
+        self._log_samples(self.state.sft_steps_done + self.state.step,
+                          sample_rows(batch.records, rewards, groups=self.cfg.logger.eval_samples,
+                                      prompts={p.index: p for p in prompts}, kind="eval"))
         n = max(len(rewards), 1)
         acc = sum(1.0 for r in rewards if r >= 1.0) / n
         name = dataset_name(self.cfg)
         return {eval_key(name): acc, eval_mean_reward_key(name): sum(rewards) / n}
+
+    def _log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if self.logger is not None:  # a loop driven without `run` (tests) logs nothing
+            self.logger.log_samples(step, rows)
 
     def sft(self, steps: int) -> None:
 
@@ -399,6 +406,9 @@ class Loop:
                                         reward_dtype=cfg.algo.reward_dtype).tolist() if records else []
         samples, skipped = train_samples(self.processor, by_index, records, advantages, routing=self._routing,
                                          replay=cfg.algo.routing_replay != "none")
+        self._log_samples(state.sft_steps_done + state.step + 1,  # the step this one is logged at
+                          sample_rows(records, rewards, groups=cfg.logger.sample_groups, advantages=advantages,
+                                      prompts=by_index))
 
         t_train = time.perf_counter()
         self._phase("train")  # colocated: the engines give their GPU memory to the trainer

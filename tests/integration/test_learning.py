@@ -39,7 +39,7 @@ def test_grpo_raises_eval_accuracy_after_the_sft_warm_up(default_run):
 def test_run_writes_summary_metrics_and_plots(default_run):
     from vlmrl.logging.metrics import read_metrics
 
-    run_dir, _, summary = default_run
+    run_dir, cfg, summary = default_run
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved == summary
     assert {"eval_accuracy_start", "eval_accuracy_end", "train_seconds"} <= set(saved)
@@ -52,6 +52,22 @@ def test_run_writes_summary_metrics_and_plots(default_run):
         assert all(key in r for r in rl), key
     # evaluations: mid-SFT, after the warm-up, mid-GRPO and at the end
     assert sum("eval/synthetic" in r for r in rows) == 4
+    # samples.jsonl: a whole group of each RL step (8 samples, their rewards and group-normalised
+    # advantages) and 8 greedy replies of each evaluation, at the steps metrics.jsonl logs them
+    samples = read_metrics(run_dir / "samples.jsonl")
+    n = cfg.algo.n_samples_per_prompt
+    steps = [r["step"] for r in rows if "rl_step" in r]
+    assert [r["step"] for r in samples if r["kind"] == "rollout"] == [s for s in steps for _ in range(n)]
+    assert [r["step"] for r in samples if r["kind"] == "eval"] == [
+        s for s in (r["step"] for r in rows if "eval/synthetic" in r) for _ in range(cfg.logger.eval_samples)]
+    for k in range(0, len(steps) * n, n):
+        group = [r for r in samples if r["kind"] == "rollout"][k:k + n]
+        assert len({r["prompt_index"] for r in group}) == 1 and group[0]["prompt"]
+        rewards = [r["reward"] for r in group]
+        assert abs(sum(r["advantage"] for r in group)) < 1e-6  # GRPO: advantages sum to zero per group
+        if max(rewards) > min(rewards):
+            best = max(group, key=lambda r: r["reward"])
+            assert best["advantage"] > 0 and best["response"], best
     assert (run_dir / "plots" / "eval_accuracy.png").exists()
 
 

@@ -113,6 +113,33 @@ def test_untrainable_samples_are_left_out_and_counted_by_reason(monkeypatch):
     assert samples[2].input_ids == [1, 2, 3, 9] and samples[2].advantage == 0.25
 
 
+def test_samples_log_keeps_whole_groups_with_their_rewards_and_advantages():
+    from types import SimpleNamespace
+
+    from vlmrl.experience import sample_rows
+    from vlmrl.rollout.manager import SampleRecord
+
+    def record(group: int, i: int, text: str) -> SampleRecord:
+        return SampleRecord(prompt_index=10 + group, sample_index=i, group_index=group, prompt_ids=None,
+                            response_ids=[1] * len(text), text=text, logprobs=None, finish_reason="stop",
+                            truncated=False, answer=str(group), weight_version="step-3")
+
+    records = [record(g, i, f"g{g}s{i}") for g in (0, 1, 2) for i in range(2)]
+    rewards, advantages = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0.7, -0.7, 0.0, 0.0, 0.0, 0.0]
+    prompts = {10 + g: SimpleNamespace(prompt_text=f"how many sides? ({g})") for g in (0, 1, 2)}
+    rows = sample_rows(records, rewards, groups=2, advantages=advantages, prompts=prompts)
+    assert [(r["group"], r["sample"], r["response"]) for r in rows] == [
+        (0, 0, "g0s0"), (0, 1, "g0s1"), (1, 0, "g1s0"), (1, 1, "g1s1")]
+    assert [r["reward"] for r in rows] == [1.0, 0.0, 0.0, 0.0] and rows[1]["advantage"] == -0.7
+    assert rows[0]["prompt"] == "how many sides? (0)" and "prompt" not in rows[1]  # once a group
+    assert rows[2]["answer"] == "1" and rows[2]["weight_version"] == "step-3"
+    assert rows[0]["response_tokens"] == 4 and rows[0]["kind"] == "rollout"
+    # an evaluation: no advantages; groups=0 keeps nothing
+    ev = sample_rows(records[::2], rewards[::2], groups=1, kind="eval")
+    assert len(ev) == 1 and ev[0]["kind"] == "eval" and "advantage" not in ev[0] and "prompt" not in ev[0]
+    assert sample_rows(records, rewards, groups=0) == []
+
+
 def test_verifier_params_reject_parameters_the_verifier_does_not_take():
     import dataclasses
 

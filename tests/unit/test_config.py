@@ -170,6 +170,7 @@ INVALID = [
     (["model.lm.mrope_section=[8,8,8]"], "mrope-section", "head_dim * partial_rotary_factor"),
     (["algo.kl_type=k9"], "enum", "k9"),
     (["algo.kl_reference=final"], "enum", "final"),
+    (["logger.eval_samples=-1"], "positive", "logger.eval_samples=-1"),
     (["algo.mis=tokens"], "enum", "tokens"),
     (["algo.mis=token", "algo.mis_high=0.9"], "mis-band", "0 < mis_low < 1 < mis_high"),
     (["rollout.temperature=0"], "rollout-temperature", "GRPO learns nothing"),

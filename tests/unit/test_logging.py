@@ -127,8 +127,26 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
 def test_jsonl_off_writes_no_file(tmp_path):
     with MetricsLogger(tmp_path, cfg(jsonl=False)) as log:
         log.log(0, {M.TRAIN_LOSS: 1.0})
+        log.log_samples(0, [{"kind": "rollout", "response": "x"}])
         assert len(log.rows) == 1
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "samples.jsonl").exists()
+
+
+def test_samples_carry_their_step_and_a_resume_drops_the_killed_job_s(tmp_path):
+    with MetricsLogger(tmp_path, cfg()) as log:
+        log.log_samples(0, [])  # nothing to keep: no file
+        assert not (tmp_path / "samples.jsonl").exists()
+        for step in range(1, 5):
+            log.log_samples(step, [{"kind": "rollout", "response": f"reply {step}.{i}"} for i in range(2)])
+    rows = read_metrics(tmp_path / "samples.jsonl")
+    assert [(r["step"], r["response"]) for r in rows[:3]] == [(1, "reply 1.0"), (1, "reply 1.1"), (2, "reply 2.0")]
+    # resumed from the checkpoint of step 2: the samples of steps 3 and 4 are logged again
+    with MetricsLogger(tmp_path, cfg(), resume_step=2) as log:
+        assert [r["step"] for r in read_metrics(tmp_path / "samples.jsonl")] == [1, 1, 2, 2]
+        log.log_samples(3, [{"kind": "eval", "response": "again"}])
+    assert [r["step"] for r in read_metrics(tmp_path / "samples.jsonl")] == [1, 1, 2, 2, 3]
+    with pytest.raises(RuntimeError, match="after close"):
+        log.log_samples(4, [{"kind": "eval"}])
 
 
 # ---------------------------------------------------------------- wandb

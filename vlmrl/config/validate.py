@@ -370,6 +370,9 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         fail("pixels", f"data.min_pixels={cfg.data.min_pixels} > data.max_pixels={cfg.data.max_pixels}")
     if r.max_new_tokens < 1:
         fail("positive", f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    for key in ("sample_groups", "eval_samples"):
+        if getattr(cfg.logger, key) < 0:
+            fail("positive", f"logger.{key}={getattr(cfg.logger, key)} must be >= 0 (0: log none)")
     rl_lr = cfg.trainer.optim.rl_lr
     if rl_lr is not None and (rl_lr <= 0 or a.name == "sft"):
         fail("rl-lr", f"trainer.optim.rl_lr={rl_lr}: the RL phase's peak learning rate must be > 0, and "

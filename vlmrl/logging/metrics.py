@@ -3,7 +3,9 @@
 `metrics.jsonl` (in the run directory) is the record of a run: one JSON object a line,
 `{"step": int, "time": unix seconds, <metric>: value, ...}`, flushed as it is written.
 Several lines may share a step (say, train metrics and eval metrics logged apart).
-wandb and the PNG plots are views of the same numbers.
+wandb and the PNG plots are views of the same numbers. `samples.jsonl` beside it keeps some
+of what the model wrote: `{"step": int, "kind": "rollout" | "eval", "response": ..., ...}`
+a line (`vlmrl.experience.sample_rows`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 from .keys import RESERVED_KEYS
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 PLOTS_DIR = "plots"
 
 
@@ -126,11 +129,14 @@ class MetricsLogger:
         self.plots_dir = self.run_dir / PLOTS_DIR
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
+        self.samples_path = self.run_dir / SAMPLES_FILE
         if resume_step is not None:
             self._rows = _truncate_after(self.path, resume_step)
+            _truncate_after(self.samples_path, resume_step)
         else:
             self._rows = read_metrics(self.path)
         self._file = open(self.path, "a") if logger_cfg.jsonl else None
+        self._samples_file = None  # opened by the first log_samples
         self._rows_at_last_plot = len(self._rows)
         self._plot_warned = False
         self._closed = False
@@ -181,6 +187,19 @@ class MetricsLogger:
         if refresh_plots:
             self.refresh_plots()
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append `rows` (what the model wrote, `vlmrl.experience.sample_rows`) to samples.jsonl,
+        each with its `step`; nothing when jsonl is off or there are no rows."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_samples after close()")
+        if not rows or not self.cfg.jsonl:
+            return
+        if self._samples_file is None:
+            self._samples_file = open(self.samples_path, "a")
+        for row in rows:
+            self._samples_file.write(json.dumps({"step": int(step), **row}, default=str) + "\n")
+        self._samples_file.flush()
+
     def refresh_plots(self) -> list[Path]:
         """Redraw `<run_dir>/plots/*.png` from every row so far (no-op if plots are off)."""
         if not self.cfg.plots:
@@ -204,8 +223,9 @@ class MetricsLogger:
         self._closed = True
         if len(self._rows) > self._rows_at_last_plot:
             self.refresh_plots()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in (self._file, self._samples_file):
+            if f is not None:
+                f.close()
+        self._file = self._samples_file = None
         if self.wandb is not None:
             self.wandb.finish()
