@@ -12,6 +12,13 @@ STAMP  := $(VENV)/.vlmrl-installed
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 ARGS ?=
+# pytest-xdist workers for the CPU suite, a test file at a time per worker (a file's module
+# fixtures, such as the learning run, are built once), each worker and the processes it starts
+# pinned to its own cores (tests/conftest.py). On two cores: about 10 minutes, where one
+# process took 15-16 (bench/results/suite.md). TEST_WORKERS=0 runs it in one process. On a
+# machine with a GPU the tests share one device, so they run in one process there.
+TEST_WORKERS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 2)
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help setup train test test-fast test-all check-wheel lint bench plan sglang-contract clean
 
@@ -41,16 +48,16 @@ train: bytecode ## run the embedded default end to end (tiny model, procedural t
 	$(PY) -m vlmrl.train $(ARGS)
 
 test: bytecode ## the CPU test suite (GPU tests skip without CUDA, slow ones are left out)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # the unit tier alone: pure functions and single-process checks (no Ray, no trainer ranks, no
 # loop run), for a quick check while editing; `make test` runs these too. Its wall time on two
 # cores is in bench/results/suite.md.
 test-fast: bytecode ## the unit tier only (tests/unit), under 3 minutes on two cores
-	$(PY) -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-all: bytecode ## every test, slow ones included
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # the wheel, installed outside the checkout with only what the dry-run path imports (Hydra,
 # OmegaConf): its configs must compose from the package alone

@@ -13,6 +13,21 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers), each worker and every process it
+    starts (trainer ranks, engines, Ray) keeps to its own share of the cores. Unpinned, two
+    workers' torch thread pools (two threads in each process) fought over two cores and a
+    test's wall time grew up to threefold; pinned, each process sizes its threads to its share
+    (`vlmrl.cluster.placement.available_cores`)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
