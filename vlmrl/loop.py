@@ -150,6 +150,20 @@ class Loop:
         self._measured: dict[str, dict[str, float]] = {}  # this step's phase peaks (bytes: total, trainer, others)
         self.memory_problems: list[str] = []  # the first differences from the plan's estimate
         self.logger: MetricsLogger | None = None  # opened by `run`
+        # the driver's components (`_setup`, `_start_engines`, `run`); the models, the engines
+        # and the reward workers live in processes of their own
+        self.processor: Any = None
+        self.train_data: PromptDataset | None = None
+        self.test_data: PromptDataset | None = None
+        self.pool: RewardPool | None = None  # scores training rollouts
+        self.eval_pool: RewardPool | None = None  # scores evaluations (correctness, no format rule)
+        self.progress: Progress | None = None
+        self.placement: Any = None  # vlmrl.cluster.placement.Placement
+        self.trainer: TrainerGroup | None = None
+        self.rollout: RolloutManager | None = None  # n samples a prompt
+        self.evaluator: RolloutManager | None = None  # one greedy reply a prompt
+        self._routing: tuple[int, int] | None = None  # (layers, top-k) of the experts engines report
+        self._executor: ThreadPoolExecutor | None = None  # async: the overlapped rollout's thread
 
     # ------------------------------------------------------------ components
     def _resolve_model(self) -> None:
@@ -186,7 +200,6 @@ class Loop:
         self.progress = Progress(cfg.logger.progress)
 
     def _start_engines(self) -> None:
-
         cfg = self.cfg
         self.engine_group = group = EngineGroup(cfg, self.placement, self.model_path, self.run_dir)
         group.start()
@@ -230,7 +243,6 @@ class Loop:
 
     # ------------------------------------------------------------ checkpoints
     def _resume_from(self) -> Path | None:
-
         r = self.cfg.resume
         if r == "never":
             return None
@@ -242,7 +254,6 @@ class Loop:
         return path
 
     def _restore(self, path: Path) -> None:
-
         self._need_trainer()
         self.trainer.load(str(path))
         state = read_loop_state(path)
@@ -251,7 +262,6 @@ class Loop:
         print(f"resumed from {path}: RL step {self.state.step}, SFT steps {self.state.sft_steps_done}")
 
     def save_checkpoint(self) -> Path:
-
         path = checkpoint_dir(self.run_dir / CHECKPOINT_DIR, self.state.sft_steps_done + self.state.step)
         # an overlapped rollout already drew its prompts: a resumed run draws them again
         self.state.data = self._data_before_next if self._next is not None else self.train_data.state_dict()
@@ -328,7 +338,6 @@ class Loop:
 
     # ------------------------------------------------------------ phases
     def evaluate(self) -> dict[str, float]:
-
         self._phase("generate")
         prompts = list(self.test_data)
         if self.cfg.rollout.eval.max_prompts:
@@ -350,7 +359,6 @@ class Loop:
             self.logger.log_samples(step, rows)
 
     def sft(self, steps: int) -> None:
-
         bs = self.cfg.algo.sft_batch_size
         while self.state.sft_steps_done < steps:
             t0 = time.perf_counter()
@@ -380,7 +388,6 @@ class Loop:
         return prompts, batch, time.perf_counter() - t0
 
     def rl_step(self) -> dict[str, float]:
-
         cfg, state = self.cfg, self.state
         n = cfg.algo.n_samples_per_prompt
         t_step = time.perf_counter()
@@ -480,8 +487,6 @@ class Loop:
 
     # ------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
-
-
         cfg = self.cfg
         quiet_libraries(library_log(self.run_dir))  # notices to the run dir's log, not the screen
         for note in config_notes(cfg):
@@ -598,8 +603,6 @@ class Loop:
         return summary
 
     def _save_hf(self) -> None:
-
-
         out = self.run_dir / "hf"
         out.mkdir(parents=True, exist_ok=True)
         self._need_trainer()
