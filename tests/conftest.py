@@ -22,7 +22,10 @@ def pytest_configure(config):
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
+    from vlmrl.cluster.placement import available_cores
+
+    # the cores this machine lets the suite use: its affinity, cut to a cgroup CPU quota
+    cores = sorted(os.sched_getaffinity(0))[:available_cores()]
     if len(cores) < count:
         return
     os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
