@@ -182,6 +182,21 @@ def test_wandb_offline_run_lives_in_run_dir_and_id_is_stable(wandb_env):
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
 
+def test_samples_reach_wandb_as_a_table_per_kind(wandb_env):
+    run_dir = wandb_env / "run"
+    with MetricsLogger(run_dir, cfg(wandb=True, project="vlmrl-test"), {}, "r") as log:
+        log.log_samples(1, [{"kind": "rollout", "response": "a", "reward": 1.0},
+                            {"kind": "rollout", "response": "b", "reward": 0.0, "prompt": "p"},
+                            {"kind": "eval", "response": "c", "reward": 1.0}])
+        log.log(1, step_metrics(1))
+    tables = {p.parent.name + "/" + p.name.split("_")[0]: json.loads(p.read_text())
+              for p in (run_dir / "wandb").glob("offline-run-*/files/media/table/samples/*.table.json")}
+    assert tables == {
+        "samples/rollout": {"columns": ["response", "reward", "prompt"], "data": [["a", 1.0, None], ["b", 0.0, "p"]]},
+        "samples/eval": {"columns": ["response", "reward"], "data": [["c", 1.0]]}}
+    assert len(read_metrics(run_dir / "samples.jsonl")) == 3
+
+
 def test_wandb_init_failure_keeps_jsonl(wandb_env):
     run_dir = wandb_env / "run"
     with pytest.warns(RuntimeWarning, match="wandb init failed"):

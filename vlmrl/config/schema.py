@@ -438,8 +438,8 @@ class LoggerConfig(Sealable):
     progress: bool = True
     plots: bool = True
     jsonl: bool = True
-    # samples.jsonl in the run dir: every sample of the first `sample_groups` prompt groups of
-    # each RL step, and the first `eval_samples` replies of each evaluation (0: none)
+    # samples.jsonl in the run dir (and wandb tables): every sample of the first `sample_groups`
+    # prompt groups of each RL step, and the first `eval_samples` replies of each evaluation (0: none)
     sample_groups: int = 1
     eval_samples: int = 8
 

@@ -189,16 +189,23 @@ class MetricsLogger:
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append `rows` (what the model wrote, `vlmrl.experience.sample_rows`) to samples.jsonl,
-        each with its `step`; nothing when jsonl is off or there are no rows."""
+        each with its `step`, and give wandb a table of them per `kind` (`samples/rollout`,
+        `samples/eval`)."""
         if self._closed:
             raise RuntimeError("MetricsLogger.log_samples after close()")
-        if not rows or not self.cfg.jsonl:
+        if not rows:
             return
-        if self._samples_file is None:
-            self._samples_file = open(self.samples_path, "a")
-        for row in rows:
-            self._samples_file.write(json.dumps({"step": int(step), **row}, default=str) + "\n")
-        self._samples_file.flush()
+        if self.cfg.jsonl:
+            if self._samples_file is None:
+                self._samples_file = open(self.samples_path, "a")
+            for row in rows:
+                self._samples_file.write(json.dumps({"step": int(step), **row}, default=str) + "\n")
+            self._samples_file.flush()
+        if self.wandb is not None:
+            for kind in dict.fromkeys(str(row.get("kind", "samples")) for row in rows):
+                self.wandb.log_table(int(step), f"samples/{kind}",
+                                     [{k: v for k, v in row.items() if k != "kind"} for row in rows
+                                      if str(row.get("kind", "samples")) == kind])
 
     def refresh_plots(self) -> list[Path]:
         """Redraw `<run_dir>/plots/*.png` from every row so far (no-op if plots are off)."""

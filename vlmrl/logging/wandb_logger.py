@@ -98,6 +98,20 @@ class WandbLogger:
         except Exception as exc:
             self._fail("log", exc)
 
+    def log_table(self, step: int, key: str, rows: list[dict[str, Any]]) -> None:
+        """`rows` (dicts) as one wandb Table under `key` at `step`: a column per key, in the
+        order keys first appear; a row without a key has None there."""
+        if not self.active or not rows:
+            return
+        try:
+            import wandb
+
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
+            self.run.log({key: table}, step=step)
+        except Exception as exc:
+            self._fail("log", exc)
+
     def finish(self) -> None:
         run, self.run = self.run, None
         if run is None or self._failed:
