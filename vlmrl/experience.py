@@ -110,7 +110,6 @@ def rollout_metrics(records: Sequence[SampleRecord], rewards: Sequence[float]) -
     }
 
 
-
 def sample_rows(records: Sequence[SampleRecord], rewards: Sequence[float], *, groups: int,
                 advantages: Sequence[float] | None = None, prompts: Mapping[int, Prompt] | None = None,
                 kind: str = "rollout") -> list[dict[str, Any]]:
