@@ -91,14 +91,16 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache_dir, tiny_moe
     assert sorted(resumed) == [1, 2]  # no duplicate or lost steps in metrics.jsonl
     # samples.jsonl: the resumed run wrote what the uninterrupted one did, with nothing of the
     # killed job's step after its checkpoint left twice (one group of 4 a step, 4 eval replies)
-    def samples_of(run_dir: Path) -> list[dict]:  # the weight version names the sync: "resume-2" there
-        return [{k: v for k, v in json.loads(x).items() if k != "weight_version"}
-                for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    def samples_of(run_dir: Path) -> list[dict]:
+        return [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
 
-    samples = samples_of(killed)
-    assert samples == samples_of(straight)
-    versions = {json.loads(x).get("weight_version") for x in (killed / "samples.jsonl").read_text().splitlines()
-                if json.loads(x)["kind"] == "rollout" and json.loads(x)["step"] == 3}
+    def without_version(rows: list[dict]) -> list[dict]:  # the weight version names the sync: "resume-2"
+        return [{k: v for k, v in r.items() if k != "weight_version"} for r in rows]
+
+    raw = samples_of(killed)
+    samples = without_version(raw)
+    assert samples == without_version(samples_of(straight))
+    versions = {r.get("weight_version") for r in raw if r["kind"] == "rollout" and r["step"] == 3}
     assert versions == {"resume-2"}, versions  # sampled from the weights the resumed run synced
     assert [(r["step"], r["kind"]) for r in samples] == [(1, "eval")] * 4 + [(2, "rollout")] * 4 + [
         (3, "rollout")] * 4 + [(3, "eval")] * 4

@@ -202,10 +202,12 @@ class MetricsLogger:
                 self._samples_file.write(json.dumps({"step": int(step), **row}, default=str) + "\n")
             self._samples_file.flush()
         if self.wandb is not None:
-            for kind in dict.fromkeys(str(row.get("kind", "samples")) for row in rows):
-                self.wandb.log_table(int(step), f"samples/{kind}",
-                                     [{k: v for k, v in row.items() if k != "kind"} for row in rows
-                                      if str(row.get("kind", "samples")) == kind])
+            by_kind: dict[str, list[dict[str, Any]]] = {}
+            for row in rows:
+                by_kind.setdefault(str(row.get("kind", "samples")), []).append(
+                    {k: v for k, v in row.items() if k != "kind"})
+            for kind, table in by_kind.items():
+                self.wandb.log_table(int(step), f"samples/{kind}", table)
 
     def refresh_plots(self) -> list[Path]:
         """Redraw `<run_dir>/plots/*.png` from every row so far (no-op if plots are off)."""
