@@ -203,15 +203,26 @@ def test_compiled_moe_block_on_cuda():
     """`hardware.fused_kernels`' compiled MoE block (grouped GEMMs on Hopper) at 4096 tokens
     against Megatron's MoE forward of the same layer (float32, TF32 off, as the reference): the
     bf16 compiled block within 1.5x Megatron's own bf16 difference + 1e-2 (module docstring of
-    tests/integration/test_moe_compiled.py, where the float32 maths is checked on the CPU)."""
+    tests/integration/test_moe_compiled.py, where the float32 maths is checked on the CPU).
+    Routing replay and the router in the engines' precision on CUDA as on the CPU: with the
+    engine's experts the compiled block sends every token where Megatron's RouterReplay does,
+    and reports the same disagreement with the engine."""
     from _dist import compiled_moe_worker
 
     from vlmrl.training.parallel_state import spawn_local
 
-    res = spawn_local(compiled_moe_worker, 1, 4096, "cuda", backend="nccl", timeout_s=400)[0]
-    print(res)
+    tokens = 4096
+    res = spawn_local(compiled_moe_worker, 1, tokens, "cuda", backend="nccl", timeout_s=400)[0]
+    print({k: v for k, v in res.items() if k != "replay_counts"})
     assert res["compiled_bf16_vs_megatron_fp32"] <= 1.5 * res["megatron_bf16_vs_megatron_fp32"] + 1e-2
     assert res["counts_match"] == 1.0 and res["compiled_graphs"] >= 1
+    assert res["engine_precision_problem"] is None and res["engine_precision_counts_match"] == 1.0
+    assert res["engine_precision_compiled_vs_megatron"] < 0.5
+    megatron_counts, compiled_counts = res["replay_counts"]
+    assert compiled_counts == megatron_counts
+    assert res["replay_compiled_vs_megatron"] < 0.5 < 1.0 < res["replay_vs_own_routing"]
+    (m_differ, m_known), (c_differ, c_known) = res["replay_mismatch_reported"]
+    assert m_known == c_known == tokens - 3 and 0 < c_differ == m_differ <= c_known
 
 
 def test_fused_layers_on_cuda():
