@@ -267,7 +267,7 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .models import adapters, compat, packing, routing
+    from .models import adapters, compat, families, packing, routing
     from .models.bridge import build_model
     from .rollout.weights import flatten_bucket, unflatten_bucket
     from .training.parallel_state import destroy_parallel_state, init_parallel_state
@@ -302,6 +302,15 @@ def run_megatron(model: ModelConfig, parallel: ParallelConfig, hf_state: dict[st
         for bucket in adapters.iter_hf_weights(chunks, model, bucket_bytes=256 << 10, compact=False):
             flattened.update((n, t.cpu()) for n, t in unflatten_bucket(flatten_bucket(bucket)))
         roundtrip = max(roundtrip, max_abs_diff(flattened, expected))
+        # SGLang with vlmrl's loader: each layer's routed experts as one tensor, split back here
+        fused: dict[str, Any] = {}
+        for bucket in adapters.iter_hf_weights(chunks, model, bucket_bytes=256 << 10, compact=False,
+                                               fused_experts=True):
+            fused.update((n, t.cpu()) for n, t in unflatten_bucket(flatten_bucket(bucket)))
+        family = families.get(model.family)
+        if model.lm.num_experts and not any(family.is_fused(n) for n in fused):
+            raise AssertionError("iter_hf_weights(fused_experts=True) sent no fused expert tensor")
+        roundtrip = max(roundtrip, max_abs_diff(family.to_checkpoint(fused), expected))
         for c in chunks:
             c.train()  # dropout is off; train mode exercises the training code paths
         cp = info.cp_size

@@ -105,27 +105,38 @@ import sys, torch
 from vlmrl.rollout.weights import decode_payload, load_ipc
 data = open(sys.argv[1], "rb").read()
 named = decode_payload(data, flattened=True) if sys.argv[2] == "flat" else load_ipc(data)
+print(len({t.untyped_storage().data_ptr() for _, t in named}), "storages")
 print(";".join(f"{n}:{float(t.double().sum()):.6f}:{t.device}" for n, t in sorted(named)))
 """
 
 
-@pytest.mark.parametrize("form", ["pairs", "flat"])
+@pytest.mark.parametrize("form", ["pairs", "flat", "views"])
 def test_serialize_ipc_roundtrip_across_processes(tmp_path, form):
-    """(name, tensor) pairs, and the flattened bucket the loop sends (one IPC handle per
-    bucket, load_format 'flattened_bucket'), read by another process on the same GPU."""
-    from vlmrl.rollout.weights import flatten_bucket, serialize_ipc
+    """(name, tensor) pairs, the flattened bucket the loop sends to the embedded server and to
+    SGLang's own loaders (one IPC handle per bucket, load_format 'flattened_bucket'), and the
+    pairs of views into one flattened copy it sends to vlmrl's loader in SGLang (one storage
+    opened by the reader), read by another process on the same GPU."""
+    import base64
+
+    from vlmrl.rollout.weights import flatten_bucket, serialize_ipc, serialize_payload
 
     dev = torch.cuda.device_count() - 1  # the reader sees this GPU as cuda:0
     a = torch.arange(12, dtype=torch.float32, device=f"cuda:{dev}").view(3, 4)
     b = torch.ones(5, dtype=torch.bfloat16, device=f"cuda:{dev}") * 2
     named = [("visual.x", b), ("model.layers.0.w", a)]
     path = tmp_path / "payload.bin"
-    path.write_bytes(serialize_ipc(flatten_bucket(named) if form == "flat" else named))
+    keep: list = []
+    if form == "views":
+        path.write_bytes(base64.b64decode(serialize_payload(named, "ipc", keep, flattened=False)))
+    else:
+        path.write_bytes(serialize_ipc(flatten_bucket(named) if form == "flat" else named))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(dev)}
     out = subprocess.run([sys.executable, "-c", _IPC_READER, str(path), form], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "model.layers.0.w:66.000000:cuda:0;visual.x:10.000000:cuda:0"
+    storages, sums = out.stdout.strip().splitlines()[-2:]
+    assert sums == "model.layers.0.w:66.000000:cuda:0;visual.x:10.000000:cuda:0"
+    assert storages == ("2 storages" if form == "pairs" else "1 storages")
 
 
 _RECEIVER = """

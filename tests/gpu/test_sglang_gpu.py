@@ -255,6 +255,10 @@ def test_weight_update_matches_the_trainer(rig):
     print(f"after the step: mean |diff| {mean:.2e}, max {worst:.2e}")
     assert mean < MEAN_LOGPROB_TOL and worst < MAX_LOGPROB_TOL
     assert stale.logprobs != fresh.logprobs  # the sync changed what the engine computes
+    # vlmrl's loader (rollout.sglang.weight_loader=vlmrl) copied every layer's experts whole
+    layers = rig["cfg"].model.lm.num_layers
+    log = (rig["run_dir"] / "logs" / "sglang-0.log").read_text(errors="replace")
+    assert f"vlmrl_sglang_loader: {layers} of {layers} MoE layers load their routed experts in one copy each" in log
 
 
 def test_routed_experts_are_reported_and_replayed(rig):

@@ -99,6 +99,32 @@ def test_launch_command_per_hardware_preset(hardware):
         assert cuda_visible_devices(slot.devices) == str(slot.index)
 
 
+def test_servers_load_vlmrls_weight_loader_from_its_own_folder(tmp_path):
+    """`rollout.sglang.weight_loader=vlmrl` (the default): the server is started with vlmrl's
+    loader, beside any the user names, and finds it on its PYTHONPATH after its own entries;
+    the folder imports without vlmrl (the server's environment need not have vlmrl's
+    dependencies). `weight_loader=sglang`: no such flag."""
+    import subprocess
+    import sys
+
+    from vlmrl.rollout.sglang import SGLangServerActor
+    from vlmrl.rollout.sglang_plugin import LOADER, PLUGIN_DIR
+
+    cfg = _cfg("h200", "+rollout.sglang.server_args.custom_weight_loader=[mine.load]")
+    flags = _parse(server_command(server_args(cfg.rollout, cfg.hardware, cfg.model, port=1)))
+    assert flags["--custom-weight-loader"] == [LOADER, "mine.load"]
+    cfg = _cfg("h200", "rollout.sglang.weight_loader=sglang")
+    assert "--custom-weight-loader" not in _parse(server_command(server_args(cfg.rollout, cfg.hardware,
+                                                                              cfg.model, port=1)))
+    actor = SGLangServerActor((0,), log_path=str(tmp_path / "log"), env={"PYTHONPATH": "/sglang-site"})
+    assert actor._env()["PYTHONPATH"].split(":") == ["/sglang-site", PLUGIN_DIR]
+    module, func = LOADER.rsplit(".", 1)
+    probe = (f"import sys, {module}; assert callable({module}.{func}); "
+             "assert not [m for m in sys.modules if m.split('.')[0] == 'vlmrl'], 'imported vlmrl'")
+    subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path[:0] = [{PLUGIN_DIR!r}]; {probe}"],
+                   check=True, timeout=120)
+
+
 def test_hardware_backends_differ():
     h200 = server_args(_cfg("h200").rollout, _cfg("h200").hardware, _cfg("h200").model, port=1)
     b200 = server_args(_cfg("b200").rollout, _cfg("b200").hardware, _cfg("b200").model, port=1)

@@ -26,3 +26,23 @@ def test_colocated_gpus_send_cuda_ipc_handles_to_views_as_they_are():
     assert isinstance(t, ColocatedTransport) and t.format == "ipc"
     assert not t.wants_compact(False) and t.wants_compact(True)  # `compact_views` asks for copies
     assert 1 in t.senders  # rank 1 shares its GPU with an engine rank: it sends its own copy
+
+
+def test_sglang_servers_take_fused_experts_through_vlmrls_loader():
+    """SGLang servers started with vlmrl's loader (the default) get each layer's routed experts
+    as one tensor, in (name, view) pairs named by that loader; with SGLang's own loaders,
+    flattened buckets of per-expert tensors. The embedded server: flattened buckets."""
+    from vlmrl.rollout.sglang_plugin import LOADER
+
+    base = ["hardware=h200", "cluster.num_gpus=1", "cluster.colocate=true", "model=tiny_qwen3_5_moe"]
+    seen = {}
+    for name, extra in (("vlmrl", ["rollout=sglang"]), ("sglang", ["rollout=sglang", "rollout.sglang.weight_loader=sglang"]),
+                        ("embedded", ["rollout=embedded", "rollout.embedded.serve_http=true"])):
+        cfg = load(base + extra, check_rules=False)
+        t = weight_transport(cfg, 0, ["http://a"], compute_layout(cfg), api_key=None, host="")
+        try:
+            seen[name] = (t.fused_experts, t.engines[0].load_format)
+        finally:
+            t.close()
+    assert seen == {"vlmrl": (True, LOADER), "sglang": (False, "flattened_bucket"),
+                    "embedded": (False, "flattened_bucket")}

@@ -104,7 +104,8 @@ class TrainerWorker:
             self._transport = weight_transport(self.cfg, self.rank, urls, self.layout, api_key=api_key,
                                                host=broadcast_host)
         transport = self._transport
-        buckets = self.trainer.iter_hf_weights(bucket_bytes, compact=transport.wants_compact(self.compact_views))
+        buckets = self.trainer.iter_hf_weights(bucket_bytes, compact=transport.wants_compact(self.compact_views),
+                                               fused_experts=transport.fused_experts)
         sent = transport.send(buckets, weight_version)
         self.last_sync_phases = transport.last_phases
         return sent

@@ -5,7 +5,10 @@ class per transport, chosen once per set of engines (`weight_transport`).
   device with an engine rank serializes its own copy of each bucket (one CUDA IPC handle to a
   flattened copy on its GPU; host bytes on CPU), rank 0 gathers them and posts each engine one
   payload per TP rank (`/update_weights_from_tensor`), from the trainer rank on that rank's
-  device. Every rank keeps its copy alive until the engines have read it; the engines load
+  device. SGLang servers started with vlmrl's weight loader (`rollout.sglang.weight_loader`,
+  `vlmrl/rollout/sglang_plugin`) get each layer's routed experts as one tensor, which that
+  loader copies whole, and the bucket as (name, view) pairs rather than SGLang's flattened
+  form (a custom loader takes pairs). Every rank keeps its copy alive until the engines have read it; the engines load
   one bucket while the ranks prepare the next (two buckets' copies alive at most).
 - `BroadcastTransport`: engines on devices of their own. Rank 0 and every engine rank form a
   broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from ..config.layout import Layout
 from ..config.schema import VlmrlConfig
+from ..rollout import sglang_plugin
 from ..rollout import weights as wt
 from ..rollout.client import HTTPEngine
 from .placement import free_port
@@ -43,16 +47,19 @@ class WeightTransport(ABC):
     kept across syncs; `close` leaves the engines (a restarted engine or new URLs: make another)."""
 
     def __init__(self, cfg: VlmrlConfig, rank: int, urls: Sequence[str], *, tensor_format: str | None,
-                 api_key: str | None) -> None:
+                 api_key: str | None, ipc_loader: str | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.urls = list(urls)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engines: list[HTTPEngine] = []
+        # each layer's routed experts as one tensor (the engines' loader copies it whole)
+        self.fused_experts = ipc_loader is not None
         if rank == 0:
             tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
             self.loop = asyncio.new_event_loop()
-            self.engines = [HTTPEngine(u, name=f"engine-{i}", tensor_format=tensor_format, tp_size=tp, api_key=api_key)
+            self.engines = [HTTPEngine(u, name=f"engine-{i}", tensor_format=tensor_format, tp_size=tp, api_key=api_key,
+                                       ipc_loader=ipc_loader)
                             for i, u in enumerate(self.urls)]
         # host seconds of the last sync by phase, and its bucket count
         self.last_phases: dict[str, float] = {}
@@ -146,8 +153,13 @@ class ColocatedTransport(WeightTransport):
     def __init__(self, cfg: VlmrlConfig, rank: int, urls: Sequence[str], layout: Layout, *,
                  api_key: str | None) -> None:
         fmt = "ipc" if cfg.hardware.device == "cuda" else "torch_save"
-        super().__init__(cfg, rank, urls, tensor_format=fmt, api_key=api_key)
+        # SGLang servers started with vlmrl's loader (`rollout.sglang.weight_loader=vlmrl`)
+        # take (name, tensor) pairs with fused experts; others, flattened buckets
+        loader = (sglang_plugin.LOADER if fmt == "ipc" and cfg.rollout.name == "sglang"
+                  and cfg.rollout.sglang.weight_loader == "vlmrl" else None)
+        super().__init__(cfg, rank, urls, tensor_format=fmt, api_key=api_key, ipc_loader=loader)
         self.format = fmt
+        self.loader = loader
         tp = cfg.rollout.gpus_per_engine if cfg.rollout.name == "sglang" else 1
         self.sources = wt.payload_sources(layout.trainer_devices, layout.rollout_device_offset, len(self.urls), tp)
         self.senders = {r for ranks in self.sources for r in ranks}
@@ -166,7 +178,8 @@ class ColocatedTransport(WeightTransport):
 
     def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
         alive: list[Any] = []  # this rank's flattened copy, until the engines have read it
-        mine = wt.serialize_payload(bucket, self.format, keep=alive) if self.rank in self.senders else None
+        mine = (wt.serialize_payload(bucket, self.format, keep=alive, flattened=self.loader is None)
+                if self.rank in self.senders else None)
         per_engine = wt.gather_rank_payloads(mine, self.sources)
         lap("serialize")
         # before bucket k+1 is posted the engines must have answered for bucket k (the last

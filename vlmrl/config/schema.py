@@ -356,6 +356,10 @@ class SGLangConfig(Sealable):
     # inference mode (slower kernels); without it the same seed does not give the same
     # samples, so rollouts are not reproducible and a resumed run draws new ones
     deterministic_inference: bool = False
+    # how the colocated weight sync loads into the servers: "vlmrl" starts them with vlmrl's
+    # loader (vlmrl/rollout/sglang_plugin: a layer's routed experts in one copy where the
+    # engine's layout allows); "sglang": SGLang's own loaders, flattened buckets
+    weight_loader: str = "vlmrl"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Passed verbatim to SGLang's ServerArgs (flag names as in ServerArgs fields).
     server_args: dict[str, Any] = field(default_factory=dict)

@@ -57,6 +57,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "parallel.recompute_granularity": (None, "selective", "full"),
     "parallel.recompute_method": ("uniform", "block"),
     "rollout.name": ("embedded", "sglang"),
+    "rollout.sglang.weight_loader": ("vlmrl", "sglang"),
     "cluster.name": ("local", "external"),
 }
 

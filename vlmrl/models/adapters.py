@@ -173,6 +173,15 @@ def to_hf(model: ModelConfig, rule: Rule, shards: Sequence[Tensor]) -> list[Tens
     raise ValueError(rule.kind)
 
 
+def fused_expert_name(model: ModelConfig, rule: Rule) -> str:
+    """transformers' in-memory name of the fused tensor that holds every routed expert of an
+    `experts_gate_up` / `experts_down` rule ([E, 2I, H]: each expert's gate rows, then its up
+    rows; [E, H, I]), as vlmrl's expert parameters hold them."""
+    if rule.kind not in ("experts_gate_up", "experts_down"):
+        raise ValueError(f"{rule.kind!r} is not a routed-expert rule")
+    return families.get(model.family).module_slot(rule.hf[0])[0]
+
+
 def _join(shards: Sequence[Tensor], dim: int) -> Tensor:
     """The shards end to end along `dim`; one shard as it is (no copy)."""
     return shards[0] if len(shards) == 1 else torch.cat(list(shards), dim)
@@ -358,7 +367,7 @@ def _grad_of(p: Tensor) -> Tensor:
 @torch.no_grad()
 def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: int = 512 << 20,
                     grads: bool = False, dtype: torch.dtype | None = None,
-                    compact: bool = True) -> Iterator[list[tuple[str, Tensor]]]:
+                    compact: bool = True, fused_experts: bool = False) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield the full model as (hf_name, tensor) buckets of about `bucket_bytes` each.
 
     Collective over the tensor-, expert- and pipeline-parallel groups: every rank of a model
@@ -374,6 +383,11 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
     otherwise move its base's bytes. A consumer that copies every tensor anyway (the
     flattened bucket of the colocated sync) passes compact=False and saves a copy and a
     launch per view: for a MoE, every expert's gate, up and down matrix.
+
+    `fused_experts`: each layer's routed experts as one tensor under transformers' in-memory
+    name (`...mlp.experts.gate_up_proj` [E, 2I, H], `...mlp.experts.down_proj` [E, H, I];
+    `fused_expert_name`) instead of one per expert and matrix under checkpoint names: for
+    engines that load a layer's experts in one copy (`vlmrl_sglang_loader`).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
@@ -404,6 +418,9 @@ def iter_hf_weights(chunks: Sequence[Any], model: ModelConfig, *, bucket_bytes: 
                 t = get(p).detach()
                 if rule.expert:
                     shards = gather(t, ep_size, ep_group)
+                    if fused_experts:
+                        yield fused_expert_name(model, rule), _join(shards, 0)
+                        continue
                 elif rule.kind == "copy":
                     shards = [t]
                 else:

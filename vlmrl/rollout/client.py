@@ -10,7 +10,9 @@ base64 of torch.save'd (name, tensor) lists, tensors copied) or `"ipc"` (SGLang 
 on the same GPUs: each bucket flattened into one uint8 tensor and sent as one CUDA IPC handle
 with `load_format="flattened_bucket"`, see `vlmrl.rollout.weights.flatten_bucket`), with one
 entry per tensor-parallel rank of the engine, each serialized on the GPU that rank reads
-(`update_weights_from_serialized`). `None`: the server takes no tensor payload from vlmrl (SGLang
+(`update_weights_from_serialized`). With `ipc_loader` (a weight loader the server was started
+with, `--custom-weight-loader`: vlmrl's `vlmrl_sglang_loader.load_weights`) an IPC payload is
+(name, tensor) pairs, views into the one flattened copy, sent with that loader as load_format. `None`: the server takes no tensor payload from vlmrl (SGLang
 on GPUs of its own reads weights from the NCCL update group only: its safe unpickler refuses
 torch.save bytes).
 
@@ -70,6 +72,7 @@ class HTTPEngine:
         admin_timeout_s: float = 1800.0,
         drain_timeout_s: float = 300.0,
         api_key: str | None = None,
+        ipc_loader: str | None = None,
     ) -> None:
         if tensor_format not in ("torch_save", "ipc", None):
             raise ValueError(f"tensor_format must be 'torch_save', 'ipc' or None, not {tensor_format!r}")
@@ -82,6 +85,7 @@ class HTTPEngine:
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
         self.tensor_format = tensor_format
+        self.ipc_loader = ipc_loader if tensor_format == "ipc" else None
         self.tp_size = int(tp_size)
         self.drain_timeout_s = float(drain_timeout_s)
         self._headers = bearer(api_key)  # the run's engine key, sent with every request (never logged)
@@ -206,7 +210,7 @@ class HTTPEngine:
         (`keep`: see `vlmrl.rollout.weights.serialize_payload`)."""
         from .weights import serialize_payload
 
-        return serialize_payload(bucket, self.tensor_format, keep)
+        return serialize_payload(bucket, self.tensor_format, keep, flattened=self.ipc_loader is None)
 
     async def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = await self._call("POST", path, body, timeout_s=self.admin_timeout_s, retries=0)
@@ -229,8 +233,7 @@ class HTTPEngine:
                              "rank's copy on its own GPU (vlmrl.cluster.trainer_group gathers them)")
         await self._checked("/update_weights_from_tensor", {
             "serialized_named_tensors": list(payloads),
-            # CUDA-IPC payloads are flattened buckets (vlmrl.rollout.weights.flatten_bucket)
-            "load_format": "flattened_bucket" if self.tensor_format == "ipc" else None,
+            "load_format": self.load_format,
             "flush_cache": bool(flush_cache),
             "weight_version": weight_version,
         })
@@ -255,6 +258,15 @@ class HTTPEngine:
                                                           flush_cache=flush_cache and last,
                                                           weight_version=weight_version if last else None)
                 del alive
+
+    @property
+    def load_format(self) -> str | None:
+        """The load_format of this client's `/update_weights_from_tensor` payloads: CUDA-IPC
+        payloads are flattened buckets (`vlmrl.rollout.weights.flatten_bucket`), or pairs for
+        the server's `ipc_loader`; host copies need none."""
+        if self.tensor_format != "ipc":
+            return None
+        return self.ipc_loader or "flattened_bucket"
 
     def _check_tensor_format(self) -> None:
         if self.tensor_format is None:

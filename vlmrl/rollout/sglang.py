@@ -14,7 +14,10 @@ Launch: `server_args(...)` maps the config onto ServerArgs field names (model_pa
 = rollout.gpus_per_engine, ep_size, mem_fraction_static, mm_attention_backend from the
 hardware preset, CUDA-graph batch sizes, speculative decoding, port, host, log_level,
 dtype, enable_memory_saver when colocated) and merges `rollout.sglang.server_args`
-verbatim; every key must be a ServerArgs field. `server_command` turns the dict into
+verbatim; every key must be a ServerArgs field. With `rollout.sglang.weight_loader=vlmrl`
+(the default) the server also loads vlmrl's weight loader (`--custom-weight-loader
+vlmrl_sglang_loader.load_weights`, from `vlmrl/rollout/sglang_plugin`, put on the server's
+PYTHONPATH), which the colocated sync names. `server_command` turns the dict into
 `python -m sglang.launch_server --foo-bar v ...` (True booleans as bare flags). Values of
 fields with a fixed set of choices in SGLang's source are checked against them.
 `SGLangServerActor` starts that command on its engine slot's GPUs (CUDA_VISIBLE_DEVICES)
@@ -50,6 +53,7 @@ from ..contracts.sglang_flags import (
 from ..contracts.sglang_server import SERVER_ENV, SGLANG_KEY_ARGS, VLM_CACHE_ENV  # noqa: F401  (VLM_CACHE_ENV: callers)
 from .auth import redact
 from .manager import close_sessions
+from .sglang_plugin import LOADER, PLUGIN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,8 @@ def server_args(
         args["mm_process_config"] = {"image": {"min_pixels": int(data.min_pixels),
                                                "max_pixels": int(data.max_pixels)}}
     args.update(dict(sg.server_args))
+    if sg.weight_loader == "vlmrl":  # the colocated sync's loader (vlmrl/rollout/sglang_plugin), beside any of the user's
+        args["custom_weight_loader"] = [LOADER, *(x for x in args.get("custom_weight_loader") or () if x != LOADER)]
     if api_key:
         args.update(dict.fromkeys(SGLANG_KEY_ARGS, api_key))
     for name, value in args.items():
@@ -255,8 +261,10 @@ class SGLangServerActor:
         self.process: ManagedProcess | None = None
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, **SERVER_ENV, **self.extra_env,
-                "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
+        env = {**os.environ, **SERVER_ENV, **self.extra_env}
+        # vlmrl's weight loader (`--custom-weight-loader`): its folder alone, after the server's own path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), PLUGIN_DIR) if p)
+        return {**env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
 
     def node_ip(self) -> str:
         import ray

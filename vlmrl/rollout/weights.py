@@ -187,10 +187,16 @@ def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(str(m.name), t) for m, t in zip(meta, _flat_views(bucket["flattened_tensor"], meta))]
 
 
-def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str, keep: list | None = None) -> str:
+def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str, keep: list | None = None, *,
+                      flattened: bool = True) -> str:
     """One entry of `serialized_named_tensors` in `tensor_format`: "ipc" (base64 of the CUDA
     IPC handle of this process's bucket, flattened: `flatten_bucket`, sent with
     `load_format="flattened_bucket"`) or "torch_save" (base64 of host copies).
+
+    `flattened=False` (ipc): (name, tensor) pairs for a loader that takes pairs (SGLang's
+    `load_format` null or a custom loader), each tensor a view into the one flattened copy,
+    so that the engine still opens one IPC handle per bucket (torch's rebuild reuses an
+    opened storage).
 
     keep: receives the flattened copy, which must stay alive until the engines have read it
     (torch also holds an IPC-shared block back from reuse until its readers let go)."""
@@ -198,7 +204,7 @@ def serialize_payload(bucket: Sequence[tuple[str, Any]], tensor_format: str, kee
         flat = flatten_bucket(bucket)
         if keep is not None:
             keep.append(flat)
-        return base64.b64encode(serialize_ipc(flat)).decode()
+        return base64.b64encode(serialize_ipc(flat if flattened else unflatten_bucket(flat))).decode()
     if tensor_format == "torch_save":
         return encode_torch_payload(list(bucket))
     raise ValueError(f"tensor_format must be 'ipc' or 'torch_save', not {tensor_format!r}")

@@ -678,14 +678,14 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ weights
     def iter_hf_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None,
-                        compact: bool = True) -> Iterator[list[tuple[str, Tensor]]]:
-        """The current weights as HF-named buckets (collective over TP and PP); `compact` as in
-        `adapters.iter_hf_weights`."""
+                        compact: bool = True, fused_experts: bool = False) -> Iterator[list[tuple[str, Tensor]]]:
+        """The current weights as HF-named buckets (collective over TP and PP); `compact` and
+        `fused_experts` as in `adapters.iter_hf_weights`."""
         from ..models import adapters
 
         self._on_device("iter_hf_weights")
         return adapters.iter_hf_weights(self.chunks, self.model_cfg, bucket_bytes=bucket_bytes, dtype=dtype,
-                                        compact=compact)
+                                        compact=compact, fused_experts=fused_experts)
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         return {"steps": self.steps, "scheduler": self.scheduler.state_dict()}

@@ -1,0 +1,15 @@
+"""Code that runs inside SGLang's server processes, put on their PYTHONPATH as a folder of
+its own (`PLUGIN_DIR`): its modules import torch alone, never vlmrl, whose dependencies the
+server's environment may not have.
+
+- `vlmrl_sglang_loader.load_weights`: the weight loader the colocated sync names
+  (`--custom-weight-loader`, `rollout.sglang.weight_loader=vlmrl`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PLUGIN_DIR = str(Path(__file__).resolve().parent)
+# the dotted path SGLang imports (`--custom-weight-loader`) and the sync sends as load_format
+LOADER = "vlmrl_sglang_loader.load_weights"
