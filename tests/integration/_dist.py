@@ -81,7 +81,11 @@ def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "
         return out.view_as(x)
 
     seen: dict[str, Any] = {}
-    layer.router.register_forward_hook(lambda m, a, o: seen.__setitem__("router", o[1].sum(0).tolist()))
+    def router_hook(module: Any, args: Any, out: Any) -> None:
+        seen["router"] = out[1].sum(0).tolist()
+        seen["router_map"] = out[1].detach()
+
+    layer.router.register_forward_hook(router_hook)
     layer.router.vlmrl_routing_sink = lambda router, counts, n: seen.__setitem__("sink", (counts.tolist(), n))
 
     def worst(a, b):
@@ -108,17 +112,36 @@ def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "
     c16 = run(lambda x: layer(x)[0], torch.bfloat16)
     # the router in the engines' precision (trainer.moe_router_precision=engine): logits rounded
     # to bf16 in both paths, so both route alike
+    lm = model.lm
     layer.config.moe_router_dtype = None
     try:
         engine_problem = compiled_path_problem(layer)
         m16e = run(megatron, torch.bfloat16)
         megatron_counts = seen["router"]
+        megatron_rows = seen["router_map"].float().topk(lm.moe_router_topk, dim=-1).indices
         c16e = run(lambda x: layer(x)[0], torch.bfloat16)
         engine_counts_match = float(seen["sink"][0] == megatron_counts)
+        # the tokens the compiled block routes unlike Megatron's bf16 router: Megatron's experts
+        # given as the engine's (measured, not replayed)
+        tied: list[list[int]] = []
+        layer.router.vlmrl_mismatch_sink = lambda router, d, k: tied.append([int(d), int(k)])
+        layer.router.engine_rows = megatron_rows[:, None, :].expand(-1, lm.num_layers, -1).contiguous()
+        with torch.no_grad():
+            layer.to(torch.bfloat16)(x0.to(torch.bfloat16))
+        layer.router.engine_rows = None
+        del layer.router.vlmrl_mismatch_sink
+        # tokens whose bf16 logits at the k-th and (k+1)-th place lie within one bf16 ulp: two
+        # GEMMs (or top-k tie-breaks) may order those either way
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(x0.view(tokens, -1).to(torch.bfloat16),
+                                                layer.router.weight.to(torch.bfloat16)).float()
+            top = logits.topk(lm.moe_router_topk + 1, dim=-1).values
+            kth, next_ = top[:, -2], top[:, -1]
+            ulp = torch.finfo(torch.bfloat16).eps * kth.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+            near_ties = int(((kth - next_) <= ulp).sum())
     finally:
         layer.config.moe_router_dtype = "fp32"
     # the engine's experts (random, a few tokens unreported): measured and replayed alike
-    lm = model.lm
     rows = torch.rand(tokens, lm.num_layers, lm.num_experts, generator=gen).argsort(-1)[..., :lm.moe_router_topk]
     rows[-3:] = -1
     reported: list[list[int]] = []
@@ -135,6 +158,8 @@ def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "
             "replay_mismatch_reported": reported, "replay_counts": replay_counts,
             "engine_precision_problem": engine_problem, "engine_precision_counts_match": engine_counts_match,
             "engine_precision_compiled_vs_megatron": float((c16e[0] - m16e[0]).detach().abs().max()),
+            "engine_precision_tokens_differ": tied[0][0] / max(tied[0][1], 1),
+            "engine_precision_near_ties": near_ties / tokens,
             "engine_precision_vs_fp32_router": float((m16e[0] - m16[0]).detach().abs().max()),
             "eager_fp32_vs_megatron": worst(e32, m32) if e32 is not None else None,
             "compiled_bf16_vs_megatron_fp32": worst(c16, m32),
