@@ -159,6 +159,25 @@ def _embedded_routes(version: str) -> dict[str, set[str]]:
     return dict(routes)
 
 
+def test_vlmrls_loader_in_the_server_holds_to_each_release(contract):
+    """vlmrl's loader (vlmrl/rollout/sglang_plugin) against what each release's source does:
+    the weight updater calls a loader named in custom_weight_loaders with the model and the
+    pairs; the fused-MoE parameters it copies into exist under those names; Qwen3.5's loader
+    maps the names the sync sends onto them (its fallback); and every attribute the release's
+    UnquantizedFusedMoEMethod sets is one the loader has classified (a new one may change the
+    experts' layout: classify it in LAYOUT_FLAGS or OTHER_ATTRIBUTES after reading its source)."""
+    from vlmrl.rollout.sglang_plugin import vlmrl_sglang_loader as loader
+
+    wl = contract["weight_loader"]
+    assert wl["custom_loader"]["call"] == "custom_loader(self.get_model(), named_tensors)"
+    moe = wl["unquantized_moe"]
+    assert set(loader.ENGINE_PARAM.values()) <= set(moe["parameters"])
+    mapping = {tuple(p) for p in wl["qwen3_5_fused_experts"]}
+    assert {(f"experts.{param}", f"experts.{name}") for name, param in loader.ENGINE_PARAM.items()} <= mapping
+    unknown = set(moe["init_attributes"]) - set(loader.LAYOUT_FLAGS) - set(loader.OTHER_ATTRIBUTES)
+    assert not unknown, f"sglang {contract['sglang_version']}: UnquantizedFusedMoEMethod sets {sorted(unknown)}"
+
+
 def test_embedded_server_routes_are_sglang_routes(contract):
     version = contract["sglang_version"]
     routes = _embedded_routes(version)
@@ -528,6 +547,33 @@ _FAKE = {
             def update_weights_from_disk(self, req):
                 return True
     """,
+    "srt/model_executor/weight_updater.py": """
+        class WeightUpdater:
+            def update_weights_from_tensor(self, named_tensors, load_format=None):
+                if load_format == "direct":
+                    pass
+                elif load_format in self.custom_weight_loaders:
+                    custom_loader = dynamic_import(load_format)
+                    custom_loader(self.get_model(), named_tensors)
+    """,
+    "srt/layers/quantization/unquant.py": """
+        class UnquantizedFusedMoEMethod:
+            def __init__(self, use_triton_kernels=False):
+                self.use_triton_kernels = use_triton_kernels
+                self.with_bias: bool = False
+
+            def create_weights(self, layer, num_experts):
+                layer.register_parameter("w13_weight", w13)
+                layer.register_parameter(name, other)
+    """,
+    "srt/models/qwen3_5.py": """
+        class Qwen3_5MoeForCausalLM:
+            def load_weights(self, weights):
+                fused_expert_params_mapping = [
+                    ("experts.w13_weight", "experts.gate_up_proj", 0, "w1"),
+                    (f"experts.{n}", "experts.down_proj", 0, "w2"),
+                ]
+    """,
     "srt/configs/base.py": """
         from transformers import PretrainedConfig
 
@@ -820,6 +866,12 @@ def test_scanner_on_a_synthetic_package(tmp_path):
                           "server_info_keys": ["version"], "server_info_version": True}  # not **state's
     assert c["weight_update"] == {"session": True, "session_required": ["/update_weights_from_tensor"],
                                   "where": "srt/managers/updater.py:Updater"}
+    assert c["weight_loader"] == {
+        "custom_loader": {"where": "srt/model_executor/weight_updater.py:update_weights_from_tensor",
+                          "call": "custom_loader(self.get_model(), named_tensors)"},
+        "unquantized_moe": {"where": "srt/layers/quantization/unquant.py:UnquantizedFusedMoEMethod",
+                            "init_attributes": ["use_triton_kernels", "with_bias"], "parameters": ["w13_weight"]},
+        "qwen3_5_fused_experts": [["experts.w13_weight", "experts.gate_up_proj"]]}  # f-strings are not read
     text = {"class": "FamText", "chain": ["srt/configs/fam.py:FamText", "srt/configs/base.py:BaseText"],
             "bases_outside": ["PretrainedConfig"], "defaults": {"layers": 4, "hidden": 16, "rope_parameters": None},
             "required": ["interval"]}
@@ -876,6 +928,13 @@ _BROKEN = {
                           "def resume_memory_occupation(tags):\n    if tags is None:\n        tags = []\n",
                           "requires before a release"),
     "session without its class": ("srt/managers/updater.py", None, "session attribute"),
+    "no custom loader call": ("srt/model_executor/weight_updater.py",
+                              "class W:\n    def update_weights_from_tensor(self, t, load_format=None):\n"
+                              "        if load_format in self.custom_weight_loaders:\n            pass\n",
+                              "custom_weight_loaders"),
+    "no fused MoE method": ("srt/layers/quantization/unquant.py", "class UnquantizedLinearMethod:\n    pass\n",
+                            "UnquantizedFusedMoEMethod"),
+    "no fused expert mapping": ("srt/models/qwen3_5.py", "mapping = []\n", "fused_expert_params_mapping"),
     "no config class": ("srt/configs/fam.py", "class Other:\n    model_type = 'qwen3_5'\n",
                         "no class with model_type = 'qwen3_5'"),
     "no text config": ("srt/configs/fam.py", "class FamConfig:\n    model_type = 'qwen3_5'\n"

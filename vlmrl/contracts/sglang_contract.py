@@ -94,6 +94,15 @@ package; a piece that is not found raises `ContractScanError`, it never comes ba
   begin_weight_update and end_weight_update, return early when the attribute begin sets is
   None (the calls the release refuses outside a session); `where` names the class.
   Moderately robust: it relies on that `if self.<attr> is None: return ...` shape.
+- `weight_loader`: what vlmrl's loader inside the server relies on. `custom_loader`: the
+  `update_weights_from_tensor` that calls a loader named in `custom_weight_loaders`
+  (`load_format` in that list, imported with `dynamic_import`) with two arguments, as written;
+  `unquantized_moe`: `UnquantizedFusedMoEMethod`'s `self.X` attributes set in `__init__` and the
+  parameters `create_weights` registers by literal name; `qwen3_5_fused_experts`: the
+  (parameter, checkpoint name) pairs of the `fused_expert_params_mapping` lists in
+  `srt/models/qwen3_5.py`. Robust for what is recorded; a post-processing step that rewrites the
+  experts' layout under an attribute set elsewhere is not seen (tests/unit/test_sglang_contract.py
+  makes the loader classify every attribute recorded here).
 - `model_configs[model_type]` for `qwen3_5` and `qwen3_5_moe`: the class under
   `srt/configs/` declaring that `model_type` with a `sub_configs` dict, and for its
   `text_config` / `vision_config` classes (`text`, `vision`): `class`, `chain` (the class and
@@ -140,6 +149,7 @@ SCHEDULE_BATCH = "srt/managers/schedule_batch.py"
 API_TYPES = "api/v1/api_types.py"
 LOAD_SNAPSHOT = "srt/managers/load_snapshot.py"
 CONFIGS_DIR = "srt/configs/"
+QWEN3_5_MODEL = "srt/models/qwen3_5.py"
 LOADS_PATH = "/v1/loads"
 SERVER_INFO_PATH = "/server_info"
 SESSION_PATHS = ("/begin_weight_update", "/end_weight_update")
@@ -1125,6 +1135,61 @@ def _weight_update(pkg: _Package, endpoints: dict[str, Any]) -> dict[str, Any]:
                             "defines begin_weight_update and end_weight_update with a session attribute")
 
 
+# --------------------------------------------------------------------------- the weight loader vlmrl gives SGLang
+def _weight_loader(pkg: _Package) -> dict[str, Any]:
+    """What vlmrl's loader inside the server (`vlmrl/rollout/sglang_plugin`) relies on: the
+    weight updater calls a loader named in `custom_weight_loaders` with the model and the
+    (name, tensor) pairs; `UnquantizedFusedMoEMethod` registers the fused expert parameters and
+    sets the attributes that say whether they keep the checkpoint layout; Qwen3.5's loader maps
+    transformers' fused expert names onto those parameters."""
+    out: dict[str, Any] = {}
+    for rel in sorted(r for r, text in pkg.files.items() if r.startswith("srt/") and "custom_weight_loaders" in text):
+        for fn in ast.walk(pkg.tree(rel, "custom weight loader")):
+            if not isinstance(fn, ast.FunctionDef) or fn.name != "update_weights_from_tensor":
+                continue
+            named = any(isinstance(n, ast.Compare) and any(isinstance(o, ast.In) for o in n.ops)
+                        and _name(n.comparators[0]) == "custom_weight_loaders" for n in ast.walk(fn))
+            loaders = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                       and _name(n.value.func) == "dynamic_import" for t in n.targets if isinstance(t, ast.Name)}
+            calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id in loaders and len(n.args) == 2]
+            if named and calls:
+                out["custom_loader"] = {"where": f"{rel}:{fn.name}", "call": ast.unparse(calls[0])}
+    if "custom_loader" not in out:
+        raise ContractScanError("custom weight loader: no update_weights_from_tensor in sglang/srt calls a loader "
+                                "named in custom_weight_loaders (imported with dynamic_import)")
+    for rel in sorted(r for r, text in pkg.files.items() if "class UnquantizedFusedMoEMethod" in text):
+        for cls in ast.walk(pkg.tree(rel, "fused MoE method")):
+            if not isinstance(cls, ast.ClassDef) or cls.name != "UnquantizedFusedMoEMethod":
+                continue
+            methods = {b.name: b for b in cls.body if isinstance(b, ast.FunctionDef)}
+            init, create = methods.get("__init__"), methods.get("create_weights")
+            if init is None or create is None:
+                continue
+            attributes = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                          for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                          if isinstance(t, ast.Attribute) and _name(t.value) == "self"}
+            parameters = {_str(n.args[0]) for n in ast.walk(create) if isinstance(n, ast.Call)
+                          and _name(n.func) == "register_parameter" and n.args and _str(n.args[0])}
+            out["unquantized_moe"] = {"where": f"{rel}:{cls.name}", "init_attributes": sorted(attributes),
+                                      "parameters": sorted(parameters)}
+    if "unquantized_moe" not in out:
+        raise ContractScanError("fused MoE method: no class UnquantizedFusedMoEMethod with __init__ and "
+                                "create_weights in sglang/srt")
+    pairs = set()
+    for node in ast.walk(pkg.tree(QWEN3_5_MODEL, "Qwen3.5 fused experts")):
+        if (isinstance(node, ast.Assign) and any(_name(t) == "fused_expert_params_mapping" for t in node.targets)
+                and isinstance(node.value, ast.List)):
+            for item in node.value.elts:
+                if isinstance(item, ast.Tuple) and len(item.elts) >= 2 and all(_str(e) for e in item.elts[:2]):
+                    pairs.add((_str(item.elts[0]), _str(item.elts[1])))
+    if not pairs:
+        raise ContractScanError(f"Qwen3.5 fused experts: sglang/{QWEN3_5_MODEL} assigns no "
+                                "fused_expert_params_mapping list of (parameter, checkpoint name) tuples")
+    out["qwen3_5_fused_experts"] = sorted([list(p) for p in pairs])
+    return out
+
+
 # --------------------------------------------------------------------------- model configs
 def _class_attr(cls: ast.ClassDef, name: str) -> ast.expr | None:
     for b in cls.body:
@@ -1310,6 +1375,7 @@ def scan_contract(source: str | Path) -> dict[str, Any]:
         "api_schema": _api_schema(pkg),
         "loads": _loads(pkg, routes),
         "weight_update": _weight_update(pkg, routes["endpoints"]),
+        "weight_loader": _weight_loader(pkg),
         "model_configs": _model_configs(pkg),
     }
 

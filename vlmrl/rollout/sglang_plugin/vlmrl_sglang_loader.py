@@ -8,8 +8,8 @@ each layer's experts fused instead, under transformers' in-memory names
 (`...layers.L.mlp.experts.gate_up_proj` [E, 2I, H], gate rows then up rows per expert, and
 `...mlp.experts.down_proj` [E, H, I]). Where the engine's fused-MoE layer L keeps all E
 experts in exactly that layout (`w13_weight` [E, 2I, H] and `w2_weight` [E, H, I]:
-unquantized, not transposed for the triton_kernels backend, no tensor or expert parallelism
-inside the engine, no fused shared expert), one copy loads the tensor. Every other tensor,
+unquantized, read by SGLang's Triton MoE as loaded (`LAYOUT_FLAGS` all false), no tensor or
+expert parallelism inside the engine, no fused shared expert), one copy loads the tensor. Every other tensor,
 and a fused expert tensor of any layer that fails a check, goes to the model's own
 `load_weights`, which takes fused expert tensors too (one expert at a time).
 
@@ -40,14 +40,29 @@ def fused_expert_key(name: str) -> tuple[int, str] | None:
     return None if m is None else (int(m.group(1)), ENGINE_PARAM[m.group(2)])
 
 
+# Attributes of SGLang's UnquantizedFusedMoEMethod (as its __init__ sets them; the contracts
+# record them per release) under which the experts leave the checkpoint layout or a backend
+# other than SGLang's Triton MoE reads them: transposed (triton_kernels), rows permuted or
+# packed into blocks (flashinfer TRT-LLM), gate and up rows interleaved, other kernels'
+# expectations (flashinfer CUTLASS, DeepGEMM). Each must be false for the one-copy path.
+LAYOUT_FLAGS = ("use_triton_kernels", "use_flashinfer_trtllm_moe", "use_flashinfer_cutlass", "use_deep_gemm",
+                "w13_swiglu_interleaved")
+# its other attributes, read in each release's source: none of them changes the experts' layout
+# (a bias, caches, the runner object; ROCm's aiter shuffle is refused below on its own)
+OTHER_ATTRIBUTES = ("with_bias", "_cache_permute_indices", "runner", "_aiter_runner")
+
+
 def layout_problem(module: Any) -> str | None:
     """Why the fused-MoE `module` does not keep its experts as [E, 2I, H] / [E, H, I] of the
     whole model (None: it does, and a fused tensor of the same shape copies in as it is)."""
     method = getattr(module, "quant_method", None)
     if type(method).__name__ != "UnquantizedFusedMoEMethod":
         return f"quant_method {type(method).__name__}"
-    if getattr(method, "use_triton_kernels", False):
-        return "transposed for the triton_kernels backend"
+    flags = [f for f in LAYOUT_FLAGS if getattr(method, f, False)]
+    if flags:
+        return ", ".join(flags)
+    if torch.version.hip is not None:
+        return "ROCm (aiter may shuffle the experts)"
     if getattr(module, "moe_tp_size", 1) != 1 or getattr(module, "moe_ep_size", 1) != 1:
         return f"moe_tp_size {getattr(module, 'moe_tp_size', 1)}, moe_ep_size {getattr(module, 'moe_ep_size', 1)}"
     if getattr(module, "num_fused_shared_experts", 0):
