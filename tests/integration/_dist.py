@@ -296,9 +296,19 @@ def bench_weights_worker(rank: int, world_size: int) -> dict[str, Any]:
     with torch.no_grad():
         ours = model(mb.packed).reshape(50, -1)
         ref = hf(input_ids=ids.view(1, -1), use_cache=False).logits.reshape(50, -1)
+    # the bench's equal work with --samples 5: vlmrl packs five samples, HF takes them as five rows
+    samples, per = train_gpu.token_layout(ids, 5)
+    mb = build_micro_batch([TrainSample(input_ids=ids[i * per:(i + 1) * per].tolist(),
+                                        loss_mask=[0.0] + [1.0] * (per - 1)) for i in range(samples)],
+                           image_token_id=mcfg.image_token_id, spatial_merge_size=2)
+    with torch.no_grad():
+        packed = model(mb.packed).reshape(50, -1)
+        rows = hf(input_ids=ids.view(samples, per), use_cache=False).logits.reshape(50, -1)
     return {"same_init": same_init, "copied": copied,
             "lm_params": sum(1 for n, _ in model.named_parameters() if "visual" not in n),
-            "max_diff": float((ours - ref).abs().max()), "scale": float(ref.abs().max())}
+            "max_diff": float((ours - ref).abs().max()), "scale": float(ref.abs().max()),
+            "packed_max_diff": float((packed - rows).abs().max()), "packed_scale": float(rows.abs().max()),
+            "packed_vs_one_row": float((packed - ref).abs().max())}
 
 
 def replay_trainer_worker(rank: int, world_size: int, model_cfg: Any, path: str, samples: list[Any],

@@ -110,6 +110,25 @@ def test_ratios_to_the_row_before_and_to_the_first_hf_row():
                    (1.0, 1.0, 0.8, 0.9), (2.2, 2.2, 1.76, 1.98)]
 
 
+def test_a_pair_on_other_token_layouts_is_refused():
+    """Both sides of a pair train the same [samples, tokens per sample]; HF's one causal row of
+    every token against vlmrl's packed samples (the bench before 2026-12-05) is refused."""
+    import torch
+
+    from vlmrl.bench.train_gpu import add_ratios, token_layout
+
+    def row(variant, layout):
+        return {"variant": variant, "tokens_per_s": 1.0, "tokens_per_s_back_to_back": 1.0, "token_layout": layout}
+
+    ids = torch.arange(4096)
+    assert token_layout(ids, 8) == [8, 512] and token_layout(ids, 1) == [1, 4096]
+    with pytest.raises(ValueError, match="does not split"):
+        token_layout(ids, 3)
+    add_ratios([row("hf_x", [8, 512]), row("vlmrl_x", [8, 512])])
+    with pytest.raises(ValueError, match="not a pair on equal work"):
+        add_ratios([row("hf_x", [1, 4096]), row("vlmrl_x", [8, 512])])
+
+
 @pytest.mark.parametrize("variant,graphs,attention", [
     ("vlmrl_megatron_fused", False, "sdpa"),
     ("vlmrl_megatron_fused_graphs", True, "sdpa"),

@@ -1,8 +1,13 @@
 """Training throughput on one GPU: vlmrl's Megatron path against HF transformers.
 
-Same language-model shape, same tokens (one packed sequence of `--seq` tokens, `--samples`
-samples), bf16, one forward + backward with a next-token loss over the full vocabulary,
-after warm-up; median of `--iters` steps. Two shapes (`--shape`):
+Same language-model shape, same tokens and the same attention work: `--seq` tokens split into
+`--samples` equal samples, which vlmrl packs into one varlen sequence and HF takes as the rows
+of one batch (no padding; before 2026-12-05 HF got one causal row of `--seq` tokens whatever
+`--samples` said, i.e. up to `--samples` times vlmrl's attention work). Every row records its
+`token_layout` and a pair of other layouts is refused; HF rows record which fast paths
+transformers found (fla, causal_conv1d) and every warning it logged. bf16, one forward +
+backward with a next-token loss over the full vocabulary, after warm-up; median of `--iters`
+steps. Two shapes (`--shape`):
 
 - dense (default): Qwen2.5 (~1.5B parameters), against HF + SDPA;
 - qwen35_moe: a scaled Qwen3.5-MoE (8 layers: 6 Gated DeltaNet + 2 gated attention, hidden
@@ -32,7 +37,7 @@ the elementwise work are not counted.
 Variants (all on the same weights' shapes; in the qwen35_moe pair, on the same weights:
 vlmrl's model loads the HF variant's seeded initialisation, `hf_qwen35_moe_model`):
 - hf_sdpa: `Qwen2ForCausalLM`-shaped HF text model (Qwen2.5-VL's language model),
-  attn_implementation="sdpa", one padded-free batch row of `seq` tokens.
+  attn_implementation="sdpa", the samples as the rows of one batch.
 - vlmrl_megatron: the bridge's Megatron model (fused QKV and gate/up GEMMs, flash varlen
   attention on the packed sequence), loss through vlmrl's vocab-parallel logprobs.
 - vlmrl_megatron_fused: the same with `hardware.fused_kernels=true` (the GPU hardware
@@ -479,7 +484,44 @@ def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
     return out
 
 
-def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
+def token_layout(ids: torch.Tensor, samples: int) -> list[int]:
+    """[samples, tokens per sample]: what both sides of a pair train on. vlmrl packs the
+    samples into one varlen sequence; HF takes them as the rows of one batch (equal lengths, no
+    padding): the same tokens, the same next-token targets and the same attention work."""
+    if samples < 1 or ids.numel() % samples:
+        raise ValueError(f"--seq {ids.numel()} does not split into --samples {samples} equal samples")
+    return [samples, ids.numel() // samples]
+
+
+class HFKernelLog:
+    """What transformers says about its kernels while a model is built and first run: the
+    availability of the fast paths it looks for, and every warning it logs (e.g. falling back
+    to a torch convolution without causal_conv1d)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from transformers.utils import import_utils
+
+        self.available = {name: bool(getattr(import_utils, f"is_{name}_available", lambda: False)())
+                          for name in ("flash_linear_attention", "causal_conv1d", "flash_attn_2")}
+        self.messages: list[str] = []
+        self._handler = logging.Handler(logging.WARNING)
+        self._handler.emit = lambda record: self.messages.append(record.getMessage()[:300])  # type: ignore[method-assign]
+        self._logger = logging.getLogger("transformers")
+
+    def __enter__(self) -> HFKernelLog:
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.removeHandler(self._handler)
+
+    def report(self) -> dict[str, Any]:
+        return {"available": self.available, "warnings": sorted(set(self.messages))}
+
+
+def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int, samples: int = 1) -> dict[str, Any]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     lm = mcfg.lm
@@ -487,8 +529,10 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
                       num_hidden_layers=lm.num_layers, num_attention_heads=lm.num_attention_heads,
                       num_key_value_heads=lm.num_query_groups, tie_word_embeddings=True,
                       max_position_embeddings=32768, attn_implementation="sdpa")
-    model = Qwen2ForCausalLM(cfg).to(device=DEVICE, dtype=torch.bfloat16 if CUDA else torch.float32).train()
-    x = ids.view(1, -1).to(DEVICE)
+    log = HFKernelLog()
+    with log:
+        model = Qwen2ForCausalLM(cfg).to(device=DEVICE, dtype=torch.bfloat16 if CUDA else torch.float32).train()
+    x = ids.view(*token_layout(ids, samples)).to(DEVICE)
 
     def step() -> None:
         out = model(input_ids=x, labels=x)
@@ -496,7 +540,9 @@ def bench_hf(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str,
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
-    r = timed(step, iters, warmup)
+    with log:
+        r = timed(step, iters, warmup)
+    r["hf_kernels"] = log.report()
     if TIMELINE and CUDA:
         r["timeline"] = gpu_timeline(step, "hf_sdpa", OUT_DIR)
     if PROFILE_TOP:
@@ -540,9 +586,11 @@ def load_hf_language_model(model: torch.nn.Module, mcfg: Any, hf_lm: torch.nn.Mo
     return load_hf_weights([model], mcfg, hf, language_model_only=True)
 
 
-def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -> dict[str, Any]:
-    model = hf_qwen35_moe_model(mcfg).train()
-    x = ids.view(1, -1).to(DEVICE)
+def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int, samples: int = 1) -> dict[str, Any]:
+    log = HFKernelLog()
+    with log:
+        model = hf_qwen35_moe_model(mcfg).train()
+    x = ids.view(*token_layout(ids, samples)).to(DEVICE)
 
     def step() -> None:
         out = model(input_ids=x, labels=x, use_cache=False)
@@ -550,7 +598,10 @@ def bench_hf_qwen35_moe(mcfg: Any, ids: torch.Tensor, iters: int, warmup: int) -
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
-    r = timed(step, iters, warmup)
+    with log:
+        r = timed(step, iters, warmup)
+    r["hf_kernels"] = log.report()
+    print(f"hf_qwen35_moe kernels: {r['hf_kernels']}", flush=True)
     if TIMELINE and CUDA:
         r["timeline"] = gpu_timeline(step, "hf_qwen35_moe", OUT_DIR)
     if PROFILE_TOP:
@@ -595,7 +646,7 @@ def bench_vlmrl(mcfg: Any, ids: torch.Tensor, samples: int, iters: int, warmup: 
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         print(f"vlmrl: {copied} language-model tensors loaded from the HF variant's weights", flush=True)
-    per = ids.numel() // samples
+    _, per = token_layout(ids, samples)
     batch = [TrainSample(input_ids=ids[i * per:(i + 1) * per].tolist(),
                          loss_mask=[0.0] + [1.0] * (per - 1)) for i in range(samples)]
     mb = build_micro_batch(batch, image_token_id=mcfg.image_token_id, spatial_merge_size=2, bucket=cuda_graphs)
@@ -636,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=("dense", "qwen35_moe"), default="dense")
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--samples", type=int, default=1, help="samples packed into the sequence (vlmrl)")
+    ap.add_argument("--samples", type=int, default=1,
+                    help="equal samples the --seq tokens split into: packed into one sequence (vlmrl), the "
+                         "rows of one batch (HF); the same attention work on both sides")
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--heads", type=int, default=12)
@@ -695,9 +748,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if variant == "hf_sdpa":
-            r = bench_hf(mcfg, ids, args.iters, args.warmup)
+            r = bench_hf(mcfg, ids, args.iters, args.warmup, args.samples)
         elif variant == "hf_qwen35_moe":
-            r = bench_hf_qwen35_moe(mcfg, ids, args.iters, args.warmup)
+            r = bench_hf_qwen35_moe(mcfg, ids, args.iters, args.warmup, args.samples)
         elif variant.startswith("vlmrl_qwen35_moe"):
             r = bench_vlmrl(mcfg, ids, args.samples, args.iters, args.warmup, fused=CUDA,
                             gdn_backend=args.gdn_backend, **vlmrl_variant_options(variant))
@@ -719,10 +772,10 @@ def main(argv: list[str] | None = None) -> int:
                      "back_to_back_step_s": r["back_to_back_s"],
                      "tokens_per_s_back_to_back": args.seq / r["back_to_back_s"],
                      "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
-                     "params": r["params"],
+                     "params": r["params"], "token_layout": token_layout(ids, args.samples),
                      "spread_s": [min(r["times"]), max(r["times"])],
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None,
-                     **{k: r[k] for k in ("sync_points", "cuda_graphs", "timeline") if k in r}})
+                     **{k: r[k] for k in ("sync_points", "cuda_graphs", "timeline", "hf_kernels") if k in r}})
         print(f"{variant:24s} {args.seq / med:10.0f} tok/s {rows[-1]['tflops']:7.1f} TFLOP/s "
               f"median {med * 1e3:.1f} ms (host {rows[-1]['host_median_s'] * 1e3:.1f} ms) "
               f"peak {rows[-1]['peak_memory_gib'] or 0:.1f} GiB", flush=True)
@@ -751,12 +804,18 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
     The first HF instance ran before any vlmrl model, compile cache or CUDA graph pool
     existed in the process. A later HF instance has run 10-25% slower on the host there
-    (2026-12-02, the same GPU work): a ratio to it flatters vlmrl."""
+    (2026-12-02, the same GPU work): a ratio to it flatters vlmrl.
+
+    A pair whose sides trained other token layouts (`token_layout`) is refused: ValueError."""
     base = first = None
     for r in rows:
         if r["variant"].startswith("hf_"):
             base = r
             first = first or r
+        for ref in (base, first):
+            if ref is not None and ref.get("token_layout") != r.get("token_layout"):
+                raise ValueError(f"{r['variant']} trained {r.get('token_layout')} (samples, tokens) and "
+                                 f"{ref['variant']} {ref.get('token_layout')}: not a pair on equal work")
         for key, ref in (("vs_hf", base), ("vs_first_hf", first)):
             r[key] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
             r[f"{key}_back_to_back"] = (r["tokens_per_s_back_to_back"] / ref["tokens_per_s_back_to_back"]
