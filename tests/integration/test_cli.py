@@ -148,6 +148,21 @@ def test_launch_script_forwards_overrides(tmp_path):
     assert "pkill" not in (ROOT / "launch" / "geo3k_qwen35.sh").read_text()
 
 
+def test_every_module_entry_answers_help():
+    """Every `python -m vlmrl.<module>` (a module with a `__main__` block) answers --help with
+    its guide and exit status 0, without a traceback."""
+    root = Path(__file__).resolve().parents[2]
+    modules = sorted(".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__main__")
+                     for p in (root / "vlmrl").rglob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+    assert len(modules) >= 10 and "vlmrl.train" in modules and "vlmrl.bench" in modules
+    for module in modules:
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300,
+                             cwd=root)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0 and "Traceback" not in text, f"{module} --help:\n{text[-2000:]}"
+        assert len(out.stdout.strip()) > 80, f"{module} --help printed no guide:\n{text[:500]}"
+
+
 def test_parity_help_prints_its_guide():
     """`python -m vlmrl.parity --help` prints how to use it (not a Hydra traceback) and starts
     nothing."""

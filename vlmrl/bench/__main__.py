@@ -17,6 +17,10 @@ def main(argv: list[str]) -> int:
     benches = {"cli": cli.main, "rollout": rollout.main, "train-gpu": train_gpu.main,
                "kernels-gpu": kernels_gpu.main, "weight-sync": weight_sync.main, "sglang-sync": sglang_sync.main,
                "trainer-steps": trainer_steps.main}
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print(f"\nbenchmarks: {', '.join(benches)} (each answers --help)")
+        return 0
     if argv and argv[0] in benches:
         return benches[argv[0]](argv[1:])
     if argv:
