@@ -272,6 +272,37 @@ def test_weight_update_is_all_or_nothing_and_casts(engine):
         asyncio.run(engine.update_weights_from_tensor(list(originals.items())))
 
 
+def test_fused_expert_tensors_load_like_their_per_expert_slices(engine):
+    """A layer's routed experts may also come fused, under transformers' in-memory names
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`), which SGLang's Qwen3.5
+    loader takes and vlmrl's loader in SGLang copies whole: the engine writes them into its
+    fused parameters, exactly as the same values sent one expert at a time."""
+    from vlmrl.models import families
+    from vlmrl.models.names import to_checkpoint
+
+    family = families.family_of_hf(engine.model.config)
+    if family != "qwen3_5_moe":
+        pytest.skip("no routed experts")
+    sd = engine.model.state_dict()
+    gate_up = next(n for n in sd if n.endswith(".mlp.experts.gate_up_proj"))
+    names = (gate_up, gate_up.replace("gate_up_proj", "down_proj"))
+    originals = {n: sd[n].clone() for n in names}
+    gen = torch.Generator().manual_seed(3)
+    new = {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in originals.items()}
+    try:
+        asyncio.run(engine.update_weights_from_tensor(list(new.items())))
+        now = engine.model.state_dict()
+        assert all(torch.equal(now[n], t) for n, t in new.items())
+        asyncio.run(engine.update_weights_from_tensor(list(originals.items())))
+        per_expert = to_checkpoint(new, family)
+        assert len(per_expert) == 3 * engine.model.config.text_config.num_experts
+        asyncio.run(engine.update_weights_from_tensor(list(per_expert.items())))
+        now = engine.model.state_dict()
+        assert all(torch.equal(now[n], t) for n, t in new.items())
+    finally:
+        asyncio.run(engine.update_weights_from_tensor(list(originals.items())))
+
+
 def test_ray_actor(family_checkpoint, monkeypatch, engine, images):
     ray = pytest.importorskip("ray")
     from vlmrl.rollout.embedded import RayEngine, create_embedded_actor
