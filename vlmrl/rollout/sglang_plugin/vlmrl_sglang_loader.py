@@ -9,9 +9,9 @@ each layer's experts fused instead, under transformers' in-memory names
 `...mlp.experts.down_proj` [E, H, I]). Where the engine's fused-MoE layer L keeps all E
 experts in exactly that layout (`w13_weight` [E, 2I, H] and `w2_weight` [E, H, I]:
 unquantized, read by SGLang's Triton MoE as loaded (`LAYOUT_FLAGS` all false), no tensor or
-expert parallelism inside the engine, no fused shared expert), one copy loads the tensor. Every other tensor,
-and a fused expert tensor of any layer that fails a check, goes to the model's own
-`load_weights`, which takes fused expert tensors too (one expert at a time).
+expert parallelism inside the engine, no fused shared expert), one copy loads the tensor.
+Every other tensor, and a fused expert tensor of any layer that fails a check, goes to the
+model's own `load_weights`, which takes fused expert tensors too (one expert at a time).
 
 Imports torch alone: this folder sits on the server's PYTHONPATH by itself, and the server's
 environment need not have vlmrl's dependencies.
@@ -31,7 +31,7 @@ _FUSED = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 _MOE_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 # transformers' fused expert tensor -> the fused-MoE layer's parameter in that layout
 ENGINE_PARAM = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
-_CACHE = "_vlmrl_fused_expert_params"
+_CACHE = "_vlmrl_fused_expert_modules"
 
 
 def fused_expert_key(name: str) -> tuple[int, str] | None:
