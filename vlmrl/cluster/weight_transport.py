@@ -8,8 +8,9 @@ class per transport, chosen once per set of engines (`weight_transport`).
   device. SGLang servers started with vlmrl's weight loader (`rollout.sglang.weight_loader`,
   `vlmrl/rollout/sglang_plugin`) get each layer's routed experts as one tensor, which that
   loader copies whole, and the bucket as (name, view) pairs rather than SGLang's flattened
-  form (a custom loader takes pairs). Every rank keeps its copy alive until the engines have read it; the engines load
-  one bucket while the ranks prepare the next (two buckets' copies alive at most).
+  form (a custom loader takes pairs). Every rank keeps its copy alive until the engines have
+  read it; the engines load one bucket while the ranks prepare the next (two buckets' copies
+  alive at most).
 - `BroadcastTransport`: engines on devices of their own. Rank 0 and every engine rank form a
   broadcast group (NCCL; gloo on CPU) and rank 0 broadcasts each bucket
   (`/update_weights_from_distributed`).

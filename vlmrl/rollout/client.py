@@ -12,9 +12,9 @@ with `load_format="flattened_bucket"`, see `vlmrl.rollout.weights.flatten_bucket
 entry per tensor-parallel rank of the engine, each serialized on the GPU that rank reads
 (`update_weights_from_serialized`). With `ipc_loader` (a weight loader the server was started
 with, `--custom-weight-loader`: vlmrl's `vlmrl_sglang_loader.load_weights`) an IPC payload is
-(name, tensor) pairs, views into the one flattened copy, sent with that loader as load_format. `None`: the server takes no tensor payload from vlmrl (SGLang
-on GPUs of its own reads weights from the NCCL update group only: its safe unpickler refuses
-torch.save bytes).
+(name, tensor) pairs, views into the one flattened copy, sent with that loader as load_format.
+`None`: the server takes no tensor payload from vlmrl (SGLang on GPUs of its own reads weights
+from the NCCL update group only: its safe unpickler refuses torch.save bytes).
 
 The server's protocol is its SGLang release's (`protocol()`: the version `/server_info` reports,
 looked up in the contracts generated from SGLang's source; an unknown version is refused). Where
