@@ -996,7 +996,7 @@ def test_a_keyed_server_refuses_callers_without_the_key_and_keeps_serving(engine
             client = HTTPEngine(srv.url, api_key=key)
             try:
                 out = await client.generate([GenerateRequest(text=_prompt(engine.processor, "Count."),
-                                                             sampling=SamplingParams(max_new_tokens=3))])
+                                                             sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))])
                 await client.flush_cache()
                 return out
             finally:
