@@ -39,7 +39,6 @@ from typing import Any
 
 # the same weights and request on the same server: only kernel nondeterminism may differ
 LOGPROB_TOL = 1e-3
-PERTURB = 0.1  # relative size of a perturbation (as in vlmrl.bench.weight_sync)
 LAYER_TYPES = "[" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 3) + "]"
 SHAPES = {
     "tiny": [],
@@ -88,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..rollout.manager import close_sessions
     from ..rollout.protocol import GenerateRequest, SamplingParams
     from ..rollout.sglang import launch_sglang_engines
+    from .weight_sync import perturb
 
     run_dir = tempfile.mkdtemp(prefix="vlmrl-sglang-sync-")
     base = _overrides(args.shape, run_dir, extra)
@@ -141,18 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                 return list(r.output_ids), list(r.logprobs)
 
             gen = torch.Generator().manual_seed(1)
-
-            def perturb() -> None:
-                with torch.no_grad():
-                    for p in params:
-                        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
-                        p.add_((noise * PERTURB * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
-
-            perturb()
+            perturb(params, gen)
             w = [p.detach().clone() for p in params]
             sync("sglang", "w-sglang")
             ref_ids, ref_lp = complete()
-            perturb()
+            perturb(params, gen)
             sync("sglang", "w2-sglang")
             stale_ids, stale_lp = complete()
             with torch.no_grad():

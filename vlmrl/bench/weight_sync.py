@@ -84,6 +84,18 @@ MODELS = {"dense": ("tiny", DENSE), "qwen35_moe": ("tiny_qwen3_5_moe", MOE),
           "tiny_qwen3_5_moe": ("tiny_qwen3_5_moe", None)}
 
 
+def perturb(params: list[Any], gen: Any) -> None:
+    """Add Gaussian noise of `PERTURB` times each tensor's mean magnitude to every parameter
+    (drawn from `gen` on the host, so the same on any device): a new policy, in which every
+    tensor a sync must carry has changed."""
+    import torch
+
+    with torch.no_grad():
+        for p in params:
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
+            p.add_((noise * PERTURB * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
+
+
 def write_checkpoint(model: str, out: Path, dtype: str) -> tuple[Path, list[str]]:
     """(checkpoint dir, config overrides): the tiny checkpoint for tiny models; else a random
     model of the shape, saved next to the tiny checkpoint's tokenizer and processor."""
@@ -245,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(1)
         params = [q for c in trainer.chunks for q in c.parameters()]
         old = [p.detach().clone() for p in params]  # what the engine holds before the sync
-        with torch.no_grad():  # a new policy: every tensor the sync must carry changes
-            for p in params:
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
-                p.add_((noise * PERTURB * p.float().abs().mean().clamp_min(1e-3)).to(p.dtype))
+        perturb(params, gen)  # a new policy: every tensor the sync must carry changes
 
         sizes_mb = [int(x) for x in str(args.bucket_mb).split(",")]
         # variants (compact views?, bucket MiB), run in turn sync by sync
