@@ -126,3 +126,27 @@ def test_an_interpreter_without_sglang_is_refused_by_name_in_its_bundle(tmp_path
                                           gpu_fraction=0.0, cpus_per_actor=0.5))
     ray_cpu.kill(_take_bundle(ray_cpu, placement, 1))  # the engine actor is gone: the whole bundle is free
     ray_cpu.util.remove_placement_group(placement.group)
+
+
+def test_a_port_another_process_holds_is_refused_by_name(tmp_path, monkeypatch):
+    """Another process listens on the engine's port (on the H200: a server a killed job left
+    running). It would answer /health for the server about to start and refuse the run's key on
+    everything else (HTTP 401). The actor refuses to start there, names the port and the setting
+    that moves it, and starts nothing. (A restart on a freed port: the GPU test that kills a
+    server mid-rollout.)"""
+    import socket
+
+    from vlmrl.rollout.sglang import SGLangServerActor, port_is_free
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    assert not port_is_free("127.0.0.1", port)
+    actor = SGLangServerActor([0], log_path=str(tmp_path / "s.log"), python=sys.executable)
+    monkeypatch.setattr(actor, "port_wait_s", 0.5)
+    with pytest.raises(RuntimeError, match=rf"port {port} on 127\.0\.0\.1 is already in use.*rollout\.sglang\.base_port"):
+        actor.start({"host": "127.0.0.1", "port": port, "model_path": str(tmp_path)}, None)
+    assert actor.process is None
+    holder.close()
+    assert port_is_free("127.0.0.1", port)  # closed: free again, TIME_WAIT or not

@@ -36,8 +36,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,6 +182,33 @@ def engine_port(base_port: int, index: int) -> int:
     return int(base_port) + 10 * int(index)
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on `host`:`port` now (a port left in TIME_WAIT counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def wait_port_free(host: str, port: int, timeout_s: float = 10.0, poll_s: float = 0.5) -> None:
+    """Return once `host`:`port` is free; RuntimeError naming it (and the setting that moves
+    it) after `timeout_s`. Another process there, often a server an earlier run or a killed
+    job left behind, would answer /health in place of the server about to start, and refuse
+    the run's key on everything else."""
+    deadline = time.monotonic() + timeout_s
+    while not port_is_free(host, port):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"port {port} on {host} is already in use, so an SGLang server cannot listen there: another "
+                f"process holds it (a server left by an earlier run or a killed job? `ss -ltnp 'sport = :{port}'` "
+                f"names it). Stop it, or move this run's engines with rollout.sglang.base_port=...")
+        time.sleep(poll_s)
+
+
 def cuda_visible_devices(devices: Sequence[int]) -> str:
     return ",".join(str(int(d)) for d in devices)
 
@@ -250,6 +279,8 @@ class SGLangServerActor:
     CUDA_VISIBLE_DEVICES. The server runs under `python` (rollout.sglang.python) with `env`
     (rollout.sglang.env) added to the actor's environment and to `SERVER_ENV`."""
 
+    port_wait_s = 10.0  # how long a start waits for its port to be free (a killed server's may linger)
+
     def __init__(self, devices: Sequence[int], *, log_path: str, python: str | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.devices = tuple(devices)
@@ -283,6 +314,8 @@ class SGLangServerActor:
             raise RuntimeError("SGLangServerActor.start needs the server's arguments the first time")
         if self.args.get("host") in (None, "", "auto"):
             self.args["host"] = self.node_ip()
+        # a restart after a kill may find the port held for a moment; anything longer is another process
+        wait_port_free(self.args["host"], self.args["port"], self.port_wait_s)
         cmd = server_command(self.args, flags=load_flags(self.flags_version), python=self.python)
         log.info("starting SGLang on GPUs %s: %s", self.devices, " ".join(redact(cmd)))
         self.process = ManagedProcess(cmd, env=self._env(), log_path=self.log_path)
