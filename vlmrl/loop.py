@@ -147,6 +147,7 @@ class Loop:
         # colocated: who holds the GPUs' memory in each phase (None when nothing is shared)
         self.colo: Any = None
         self.last_sync_bytes = 0  # bytes the last weight sync sent each engine
+        self.last_sync_phases: dict[str, float] = {}  # rank 0's transport phases of the last sync
         self._measured: dict[str, dict[str, float]] = {}  # this step's phase peaks (bytes: total, trainer, others)
         self.memory_problems: list[str] = []  # the first differences from the plan's estimate
         self.logger: MetricsLogger | None = None  # opened by `run`
@@ -330,6 +331,7 @@ class Loop:
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
         self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_group.sync_targets, bucket_bytes=bucket,
                                                              weight_version=version, api_key=self.engine_key) or 0)
+        self.last_sync_phases = self.trainer.sync_phases()
         self.engine_version = version  # every sample generated from now on should report it
         self._trained_since_sync = False
         if self.colo is not None:
@@ -465,6 +467,7 @@ class Loop:
             mk.PERF_STEP_TIME: step_time, mk.PERF_TOKENS_PER_GPU_PER_SEC: tokens / max(step_time, 1e-9) / devices,
             mk.PERF_LOGPROB_TIME: logprob_time,
             mk.PERF_UPDATE_WEIGHTS_GB_PER_S: self.last_sync_bytes / max(sync_time, 1e-9) / 1e9,
+            **mk.sync_phase_metrics(self.last_sync_phases),
             "rollout/dropped_groups": batch.stats.dropped_groups,
             "rollout/retries": batch.stats.retries,
             "rollout/engine_restarts": batch.stats.engine_restarts,

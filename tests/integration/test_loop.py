@@ -353,6 +353,13 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, ca
         assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
         assert r["rollout/prompt_mismatch_samples"] == 0
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
+        # where the sync's time went, as rank 0's transport timed it (SGLang's protocol only)
+        phases = [f"perf/update_weights_{p}_s" for p in ("gather_convert", "serialize", "engines", "barrier")]
+        if serve_http:
+            assert r["perf/update_weights_buckets"] >= 1 and all(r[k] >= 0 for k in phases)
+            assert sum(r[k] for k in phases) <= r["perf/update_weights_time"]
+        else:
+            assert not any(k in r for k in [*phases, "perf/update_weights_buckets"])
     if serve_http:  # the engines refused the keyless caller and the run went on unaffected
         assert refused == [401, 401, 401]
         from vlmrl.rollout.auth import KEY_FILE

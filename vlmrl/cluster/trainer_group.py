@@ -110,6 +110,12 @@ class TrainerWorker:
         self.last_sync_phases = transport.last_phases
         return sent
 
+    def sync_phases(self) -> dict[str, float]:
+        """Host seconds of the last sync's phases on this rank (gather_convert, serialize,
+        engines, barrier; `buckets`), as its weight transport measured them; empty before
+        the first sync or for engines driven as Ray actors."""
+        return dict(self.last_sync_phases)
+
     def _drop_engine_links(self) -> None:
         """Leave the engines (best effort on engines that may be gone: a restarted one starts
         without the broadcast group)."""
@@ -263,6 +269,13 @@ class TrainerGroup:
         with self._collective():
             return ray.get([w.sync_weights.remote(list(engine_actors), bucket_bytes, weight_version, reset_links,
                                                   api_key) for w in self.workers])[0]
+
+    def sync_phases(self) -> dict[str, float]:
+        """Rank 0's phases of the last sync (TrainerWorker.sync_phases): the rank that talks to
+        the engines."""
+        import ray
+
+        return ray.get(self.workers[0].sync_phases.remote())
 
     def offload(self) -> dict[str, float]:
         """Every rank's weights, gradients and optimizer state leave its GPU (colocated

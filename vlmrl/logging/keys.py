@@ -51,6 +51,9 @@ perf (seconds unless stated)
   perf/rollout_time             generation and reward scoring
   perf/train_time               logprob recomputation and optimizer steps
   perf/update_weights_time      weight sync trainer -> rollout engines
+  perf/update_weights_<phase>_s that sync's host seconds on rank 0 by phase: gather_convert
+                                (the trainer's gather to HF tensors), serialize, engines (the
+                                engines' loading), barrier; perf/update_weights_buckets
   perf/step_time                the whole step, wall clock
   perf/tokens_per_gpu_per_sec   trained tokens (prompt + response) / train_time / GPUs
   perf/fwd_<kind>_s             forward time of the step's Gated DeltaNet ("gdn"), attention
@@ -141,6 +144,12 @@ PERF_KEYS = (
     PERF_CHECKPOINT_TIME,
 )
 RESERVED_KEYS = ("step", "time")
+
+
+def sync_phase_metrics(phases: dict[str, float]) -> dict[str, float]:
+    """`perf/update_weights_<phase>` for each phase a weight transport timed
+    (`TrainerGroup.sync_phases`: `gather_convert_s`, ..., `buckets`)."""
+    return {f"{PERF_UPDATE_WEIGHTS_TIME.removesuffix('time')}{k}": float(v) for k, v in phases.items()}
 
 
 def eval_key(dataset: str) -> str:
