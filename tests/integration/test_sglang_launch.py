@@ -150,3 +150,41 @@ def test_a_port_another_process_holds_is_refused_by_name(tmp_path, monkeypatch):
     assert actor.process is None
     holder.close()
     assert port_is_free("127.0.0.1", port)  # closed: free again, TIME_WAIT or not
+
+
+def test_stop_ends_what_a_killed_server_left_in_its_session(tmp_path):
+    """A server killed mid-rollout (SIGKILL of its main process) can leave its own children
+    running in its session (SGLang's scheduler holds the GPU's memory). The restart's stop
+    ends the whole session even though its leader is gone, and a second stop is harmless."""
+    import signal
+
+    from vlmrl.rollout.sglang import ManagedProcess
+
+    pid_file = tmp_path / "child.pid"
+    leader = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    proc = ManagedProcess([sys.executable, "-c", leader], log_path=tmp_path / "p.log")
+    proc.start()
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    os.kill(proc.proc.pid, signal.SIGKILL)
+    proc.proc.wait(10)
+    assert _running(child)  # the child outlived its leader
+    proc.stop()
+    deadline = time.monotonic() + 10
+    while _running(child):
+        assert time.monotonic() < deadline, "the leader's child is still running"
+        time.sleep(0.1)
+    proc.stop()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -235,9 +236,16 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """End the session: SIGTERM to its group, SIGKILL after `timeout_s`. Where the leader
+        has died already (a server killed mid-rollout), what it left in its group (SGLang's
+        scheduler and detokenizer, holding GPU memory) is killed."""
+        if self.proc is None:
             return
-        pgid = os.getpgid(self.proc.pid)  # == pid: the session we created
+        pgid = self.proc.pid  # the session start_new_session created: its group id is the leader's pid
+        if self.proc.poll() is not None:
+            with contextlib.suppress(ProcessLookupError):  # nothing left in the group
+                os.killpg(pgid, signal.SIGKILL)
+            return
         os.killpg(pgid, signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
