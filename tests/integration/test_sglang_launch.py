@@ -188,3 +188,41 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+_PARENT = """
+import sys, threading, time
+from vlmrl.rollout.sglang import ManagedProcess
+procs = []
+def start():  # as a Ray actor method does: on a thread that ends afterwards
+    p = ManagedProcess([sys.executable, "-c", "import time; time.sleep(120)"])
+    p.start()
+    procs.append(p)
+t = threading.Thread(target=start)
+t.start()
+t.join()
+print(procs[0].proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_server_dies_with_the_process_that_started_it(tmp_path):
+    """On the H200 a job killed by its time limit left its SGLang server running (in its own
+    session, holding the GPU and the port). A server now lives as long as the process that
+    started it (the engine actor): it outlives the short-lived thread that started it, and is
+    gone soon after that process is SIGKILLed."""
+    import signal
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    child = int(parent.stdout.readline())
+    time.sleep(0.5)
+    assert _running(child)  # the starting thread has ended; the server runs on
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while _running(child):
+        assert time.monotonic() < deadline, "the server outlived the process that started it"
+        time.sleep(0.1)

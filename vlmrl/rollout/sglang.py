@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,13 +216,37 @@ def cuda_visible_devices(devices: Sequence[int]) -> str:
 
 
 # =========================================================================== processes
-class ManagedProcess:
-    """A child process in its own session; `stop` ends that session only (our children)."""
+# Run before the command (by exec, so the command keeps the pid): ask Linux to SIGKILL this
+# process when the thread that started it dies, and give up if that parent is gone already.
+# Elsewhere prctl does not exist and the command runs unguarded.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "except (AttributeError, OSError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('vlmrl: the process that started this one is gone')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+# One long-lived thread starts every process: Linux sends the parent-death signal when the
+# starting *thread* ends, and callers (Ray actor methods) may run on short-lived threads.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmrl-spawn")
 
-    def __init__(self, command: list[str], *, env: dict[str, str] | None = None, log_path: str | Path | None = None):
+
+class ManagedProcess:
+    """A child process in its own session; `stop` ends that session only (our children).
+
+    The session keeps a server's children together for `stop`, and would also keep it alive
+    past a killed job (a server left holding the GPU and its port). So the child dies with
+    the process that started it (`die_with_parent`, Linux): a Ray actor killed with its job
+    takes its server along."""
+
+    def __init__(self, command: list[str], *, env: dict[str, str] | None = None, log_path: str | Path | None = None,
+                 die_with_parent: bool = True):
         self.command = command
         self.env = env
         self.log_path = Path(log_path) if log_path else None
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -229,8 +254,11 @@ class ManagedProcess:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child)
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        cmd = list(self.command)
+        if self.die_with_parent:  # -I: the guard reads nothing from the command's PYTHONPATH
+            cmd = [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+        self.proc = _SPAWNER.submit(subprocess.Popen, cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True).result()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
