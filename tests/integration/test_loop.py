@@ -54,6 +54,12 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
     loop = Loop(cfg)
     loop._setup()
     with ray_cluster(cfg, tmp_path):
+        # every worker keeps its compiled kernels in the run's compile cache (unless the user set one)
+        worker_env = ray.get(ray.remote(lambda: {k: os.environ.get(k) for k in (
+            "TORCHINDUCTOR_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")}).remote())
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            assert worker_env == {"TORCHINDUCTOR_CACHE_DIR": f"{cfg.model.cache_dir}/compile/inductor",
+                                  "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
         loop.placement = create_placement(cfg, compute_layout(cfg))
         loop._start_engines()
         # not waited for: the first collective call waits for the ranks' start-up

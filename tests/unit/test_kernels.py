@@ -192,3 +192,39 @@ def test_fused_kernels_reach_the_gated_delta_layers():
     for flag in (False, True):
         mixer = qwen3_5.layer_spec(model, "linear_attention", fused_kernels=flag).submodules.self_attention
         assert isinstance(mixer, ModuleSpec) and mixer.params["fused"] is flag
+
+
+def test_compile_caches_live_under_the_run_cache_and_the_users_settings_win():
+    """`hardware.compile_cache_dir` puts Inductor's, Triton's, TileLang's and FlashAttention 4's
+    kernels under one folder and turns FA4's disk cache on (off by default: every process
+    compiled its kernels again); a variable the user set is left alone; "" sets nothing."""
+    from vlmrl.config import load
+    from vlmrl.models.kernels import COMPILE_CACHE_VARS, compile_cache_env
+
+    root = load(["model.cache_dir=/data/vlmrl"]).hardware.compile_cache_dir
+    assert root == "/data/vlmrl/compile"
+    env = compile_cache_env(root, environ={})
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert {env[k] for k in COMPILE_CACHE_VARS} == {f"{root}/{sub}" for sub in COMPILE_CACHE_VARS.values()}
+    assert len(set(COMPILE_CACHE_VARS.values())) == len(COMPILE_CACHE_VARS)  # one folder each
+    mine = compile_cache_env(root, environ={"TRITON_CACHE_DIR": "/scratch/triton"})
+    assert "TRITON_CACHE_DIR" not in mine and mine["TORCHINDUCTOR_CACHE_DIR"] == f"{root}/inductor"
+    assert compile_cache_env("", environ={}) == {}
+
+
+def test_the_training_bench_says_how_warm_its_compile_cache_was(tmp_path, monkeypatch):
+    """The bench's processes use the run's compile cache too, and its result records how many
+    files each cache held before the first compile (0 on a fresh machine)."""
+    from vlmrl.bench.train_gpu import compile_cache
+    from vlmrl.models.kernels import COMPILE_CACHE_VARS
+
+    for var in [*COMPILE_CACHE_VARS, "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"]:
+        monkeypatch.delenv(var, raising=False)  # restored (unset) after the test
+    (tmp_path / "inductor" / "fx").mkdir(parents=True)
+    (tmp_path / "inductor" / "fx" / "graph").write_text("x")
+    got = compile_cache(str(tmp_path))
+    assert got["files_at_start"] == {"TORCHINDUCTOR_CACHE_DIR": 1, "TRITON_CACHE_DIR": 0, "TILELANG_CACHE_DIR": 0,
+                                     "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": 0}
+    import os
+
+    assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path / "tilelang")

@@ -402,12 +402,14 @@ def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
     host seconds each step spent in Python's garbage collector."""
     import gc
 
+    warm = []
     for i in range(warmup):  # the first steps compile (Inductor, Triton, TileLang): shown, not timed
         t0 = time.perf_counter()
         step()
         if CUDA:
             torch.cuda.synchronize()
-        print(f"  warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s", flush=True)
+        warm.append(time.perf_counter() - t0)
+        print(f"  warm-up step {i + 1}: {warm[-1]:.2f} s", flush=True)
     times, host, gc_s = [], [], []
     spent = {"s": 0.0, "t0": 0.0, "gen2": 0}
 
@@ -472,7 +474,7 @@ def timed(step: Any, iters: int, warmup: int) -> dict[str, list[float]]:
         torch.cuda.synchronize()
     back_to_back = (time.perf_counter() - t0) / iters
     print(f"  back to back: {back_to_back * 1e3:.1f} ms per step over {iters} steps", flush=True)
-    out = {"times": times, "host_times": host, "gc_times": gc_s, "back_to_back_s": back_to_back}
+    out = {"times": times, "host_times": host, "gc_times": gc_s, "back_to_back_s": back_to_back, "warmup_s": warm}
     if fwd_host:
         out["forward_host_times"] = fwd_host
         line = f"  forward + loss: queued by the host at {statistics.median(fwd_host) * 1e3:.1f} ms"
@@ -713,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="profile one step per variant (GPU activity only): idle time, its largest gaps, "
                          "and the trace under --out")
+    ap.add_argument("--compile-cache", default=None,
+                    help="where the compilers keep their kernels (default: hardware.compile_cache_dir, "
+                         "~/.cache/vlmrl/compile); '' for each library's own default")
     ap.add_argument("--stacks-every", type=float, default=0,
                     help="print every thread's Python stack every N seconds (where a slow warm-up spends its time)")
     args = ap.parse_args(argv)
@@ -728,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     TIMELINE, OUT_DIR = args.timeline, Path(args.out)
     MANUAL_GC = args.manual_gc
 
+    cache = compile_cache(args.compile_cache)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
     os.environ.setdefault("RANK", "0")
@@ -773,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
                      "tokens_per_s_back_to_back": args.seq / r["back_to_back_s"],
                      "tflops": fpt * args.seq / med / 1e12, "mfu_vs_788": fpt * args.seq / med / 788e12,
                      "params": r["params"], "token_layout": token_layout(ids, args.samples),
+                     "warmup_step_s": r["warmup_s"],
                      "spread_s": [min(r["times"]), max(r["times"])],
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else None,
                      **{k: r[k] for k in ("sync_points", "cuda_graphs", "timeline", "hf_kernels") if k in r}})
@@ -784,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m vlmrl.bench.train_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(0) if CUDA else "cpu", "torch": torch.__version__,
-        "args": vars(args), "model": dataclasses.asdict(mcfg.lm),
+        "args": vars(args), "model": dataclasses.asdict(mcfg.lm), "compile_cache": cache,
         "rows": rows,
     }
     out = Path(args.out)
@@ -795,6 +802,25 @@ def main(argv: list[str] | None = None) -> int:
                        round(r["vs_first_hf"] or 0, 3), round(r["vs_first_hf_back_to_back"] or 0, 3)]
                       for r in rows]))
     return 0
+
+
+def compile_cache(root: str | None) -> dict[str, Any]:
+    """Point this process's compilers at `root` (None: the config's `hardware.compile_cache_dir`)
+    as a run's processes are, and say how warm it was: the files it held before the first
+    compile (0 on a fresh machine; a warm-up figure means little without it)."""
+    from ..models.kernels import compile_cache_env
+
+    if root is None:
+        from ..config import load
+
+        root = load([]).hardware.compile_cache_dir
+    env = compile_cache_env(root)
+    os.environ.update(env)
+    dirs = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR",
+                                        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if k in os.environ}
+    files = {k: sum(len(f) for _, _, f in os.walk(d)) for k, d in dirs.items()}
+    print(f"compile caches: {dirs or 'the libraries defaults'}; files before the first compile: {files}", flush=True)
+    return {"root": root, "set": env, "dirs": dirs, "files_at_start": files}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.schema import VlmrlConfig
+from ..models.kernels import compile_cache_env
 
 
 def _short_link(target: Path) -> Path:
@@ -54,10 +55,13 @@ def ray_cluster(cfg: VlmrlConfig, run_dir: str | os.PathLike) -> Iterator[Any]:
 
     log = str(library_log(run_dir))
     os.environ[LOG_ENV] = log  # for processes this one starts (and the driver's own notices)
-    env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", LOG_ENV: log}
+    # every worker (trainer ranks, engines and the servers they start) keeps its compiled
+    # kernels in the run's compile cache
+    compiled = compile_cache_env(cfg.hardware.compile_cache_dir)
+    env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", LOG_ENV: log, **compiled}
     if c.address:
         ray.init(address=c.address, log_to_driver=True, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {LOG_ENV: log}})
+                 runtime_env={"env_vars": {LOG_ENV: log, **compiled}})
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -199,6 +199,12 @@ class HardwareConfig(Sealable):
     # bounded number of graphs. Needs fused_kernels on a GPU; the trainer keeps it off where
     # it cannot hold or does nothing (pipeline / tensor parallel, activation recompute) and says so.
     cuda_graphs: bool = False
+    # where every process of a run keeps the kernels its compilers build (Inductor, Triton,
+    # TileLang's FlashQLA kernels, FlashAttention 4's CuTe DSL kernels, whose disk cache is off
+    # unless asked for): a later run, on this node or any node sharing the path, loads them
+    # instead of compiling again. "" leaves each library its own default. Variables already
+    # set in the environment win (`vlmrl.models.kernels.compile_cache_env`).
+    compile_cache_dir: str = "${model.cache_dir}/compile"
 
 
 # --------------------------------------------------------------------------- data

@@ -27,10 +27,35 @@ shapes) that is reused from then on.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# the compilers' cache variables, each under its own folder of `hardware.compile_cache_dir`
+COMPILE_CACHE_VARS = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "TILELANG_CACHE_DIR": "tilelang",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash_attn_cute",
+}
+
+
+def compile_cache_env(root: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that put every compiler's kernel cache under `root`
+    (`hardware.compile_cache_dir`), for processes that have not imported those libraries yet
+    (they read them at import or first compile). FlashAttention 4 keeps its CuTe DSL kernels
+    on disk only when asked (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`), so without this every
+    process compiles them again. Variables set in `environ` (default: this process's) are
+    left out: the user's own setting wins. An empty `root` sets nothing."""
+    if not root:
+        return {}
+    environ = os.environ if environ is None else environ
+    out = {var: os.path.join(root, sub) for var, sub in COMPILE_CACHE_VARS.items()}
+    out["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+    return {k: v for k, v in out.items() if k not in environ}
+
 
 # Calls of each compiled function whose activations are marked dynamic in their token dim
 # (see `fused`): enough to cover its first compile in every process; later calls reuse it.
