@@ -226,3 +226,38 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path):
     while _running(child):
         assert time.monotonic() < deadline, "the server outlived the process that started it"
         time.sleep(0.1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_server_started_in_a_threaded_actor_lives_and_dies_with_it(ray_cpu):
+    """As an engine actor starts its server: from a method of a threaded Ray actor. The server
+    runs on across the actor's later calls, and is gone soon after the actor's process is
+    SIGKILLed. (Ray kills a worker's children when it stops the worker itself, as with
+    `ray.kill`; not when the process dies under it, as on the H200 when a job's time limit
+    ended pytest, its Ray and its actors, and left the server running.)"""
+    import signal
+
+    from vlmrl.rollout.sglang import ManagedProcess
+
+    @ray_cpu.remote(num_cpus=0, max_concurrency=4)
+    class Holder:
+        def start(self) -> int:
+            self.server = ManagedProcess([sys.executable, "-c", "import time; time.sleep(120)"])
+            self.server.start()
+            return self.server.proc.pid
+
+        def alive(self) -> bool:
+            return self.server.alive()
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    holder = Holder.remote()
+    pid = ray_cpu.get(holder.start.remote(), timeout=60)
+    assert all(ray_cpu.get([holder.alive.remote() for _ in range(16)], timeout=60))
+    assert _running(pid)
+    os.kill(ray_cpu.get(holder.pid.remote()), signal.SIGKILL)  # the actor's process dies at once
+    deadline = time.monotonic() + 20
+    while _running(pid):
+        assert time.monotonic() < deadline, "the server outlived its actor"
+        time.sleep(0.1)
