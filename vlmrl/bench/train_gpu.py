@@ -819,7 +819,7 @@ def compile_cache(root: str | None) -> dict[str, Any]:
     dirs = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR",
                                         "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if k in os.environ}
     files = {k: sum(len(f) for _, _, f in os.walk(d)) for k, d in dirs.items()}
-    print(f"compile caches: {dirs or 'the libraries defaults'}; files before the first compile: {files}", flush=True)
+    print(f"compile caches: {dirs or 'each library default'}; files before the first compile: {files}", flush=True)
     return {"root": root, "set": env, "dirs": dirs, "files_at_start": files}
 
 
