@@ -136,7 +136,8 @@ def test_a_port_another_process_holds_is_refused_by_name(tmp_path, monkeypatch):
     server mid-rollout.)"""
     import socket
 
-    from vlmrl.rollout.sglang import SGLangServerActor, port_is_free
+    from vlmrl.rollout.processes import port_is_free
+    from vlmrl.rollout.sglang import SGLangServerActor
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -158,7 +159,7 @@ def test_stop_ends_what_a_killed_server_left_in_its_session(tmp_path):
     ends the whole session even though its leader is gone, and a second stop is harmless."""
     import signal
 
-    from vlmrl.rollout.sglang import ManagedProcess
+    from vlmrl.rollout.processes import ManagedProcess
 
     pid_file = tmp_path / "child.pid"
     leader = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
@@ -192,7 +193,7 @@ def _running(pid: int) -> bool:
 
 _PARENT = """
 import sys, threading, time
-from vlmrl.rollout.sglang import ManagedProcess
+from vlmrl.rollout.processes import ManagedProcess
 procs = []
 def start():  # as a Ray actor method does: on a thread that ends afterwards
     p = ManagedProcess([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -237,7 +238,7 @@ def test_a_server_started_in_a_threaded_actor_lives_and_dies_with_it(ray_cpu):
     ended pytest, its Ray and its actors, and left the server running.)"""
     import signal
 
-    from vlmrl.rollout.sglang import ManagedProcess
+    from vlmrl.rollout.processes import ManagedProcess
 
     @ray_cpu.remote(num_cpus=0, max_concurrency=4)
     class Holder:
