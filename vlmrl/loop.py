@@ -331,12 +331,13 @@ class Loop:
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
         self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_group.sync_targets, bucket_bytes=bucket,
                                                              weight_version=version, api_key=self.engine_key) or 0)
-        self.last_sync_phases = self.trainer.sync_phases()
+        seconds = time.perf_counter() - t0
+        self.last_sync_phases = self.trainer.sync_phases()  # read after the clock: not part of the sync
         self.engine_version = version  # every sample generated from now on should report it
         self._trained_since_sync = False
         if self.colo is not None:
             self.colo.synced()
-        return time.perf_counter() - t0
+        return seconds
 
     # ------------------------------------------------------------ phases
     def evaluate(self) -> dict[str, float]:
