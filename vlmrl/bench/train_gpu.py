@@ -808,7 +808,7 @@ def compile_cache(root: str | None) -> dict[str, Any]:
     """Point this process's compilers at `root` (None: the config's `hardware.compile_cache_dir`)
     as a run's processes are, and say how warm it was: the files it held before the first
     compile (0 on a fresh machine; a warm-up figure means little without it)."""
-    from ..models.kernels import compile_cache_env
+    from ..models.kernels import COMPILE_CACHE_VARS, compile_cache_env
 
     if root is None:
         from ..config import load
@@ -816,8 +816,7 @@ def compile_cache(root: str | None) -> dict[str, Any]:
         root = load([]).hardware.compile_cache_dir
     env = compile_cache_env(root)
     os.environ.update(env)
-    dirs = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR",
-                                        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") if k in os.environ}
+    dirs = {k: os.environ[k] for k in COMPILE_CACHE_VARS if k in os.environ}
     files = {k: sum(len(f) for _, _, f in os.walk(d)) for k, d in dirs.items()}
     print(f"compile caches: {dirs or 'each library default'}; files before the first compile: {files}", flush=True)
     return {"root": root, "set": env, "dirs": dirs, "files_at_start": files}

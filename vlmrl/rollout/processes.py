@@ -34,9 +34,9 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def wait_port_free(host: str, port: int, timeout_s: float = 10.0, poll_s: float = 0.5) -> None:
-    """Return once `host`:`port` is free; RuntimeError naming it (and the setting that moves
-    it) after `timeout_s`. Another process there, often a server an earlier run or a killed
+def wait_port_free(host: str, port: int, timeout_s: float = 10.0, poll_s: float = 0.5, *, moved_by: str = "") -> None:
+    """Return once `host`:`port` is free; RuntimeError naming it (and `moved_by`, the setting
+    that moves it) after `timeout_s`. Another process there, often a server an earlier run or a killed
     job left behind, would answer /health in place of the server about to start, and refuse
     the run's key on everything else."""
     deadline = time.monotonic() + timeout_s
@@ -45,7 +45,7 @@ def wait_port_free(host: str, port: int, timeout_s: float = 10.0, poll_s: float 
             raise RuntimeError(
                 f"port {port} on {host} is already in use, so the server cannot listen there: another "
                 f"process holds it (a server left by an earlier run or a killed job? `ss -ltnp 'sport = :{port}'` "
-                f"names it). Stop it, or move this run's engines with rollout.sglang.base_port=...")
+                f"names it). Stop it" + (f", or move the server with {moved_by}" if moved_by else "") + ".")
         time.sleep(poll_s)
 
 

@@ -248,7 +248,7 @@ class SGLangServerActor:
         if self.args.get("host") in (None, "", "auto"):
             self.args["host"] = self.node_ip()
         # a restart after a kill may find the port held for a moment; anything longer is another process
-        wait_port_free(self.args["host"], self.args["port"], self.port_wait_s)
+        wait_port_free(self.args["host"], self.args["port"], self.port_wait_s, moved_by="rollout.sglang.base_port=...")
         cmd = server_command(self.args, flags=load_flags(self.flags_version), python=self.python)
         log.info("starting SGLang on GPUs %s: %s", self.devices, " ".join(redact(cmd)))
         self.process = ManagedProcess(cmd, env=self._env(), log_path=self.log_path)
