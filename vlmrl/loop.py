@@ -82,10 +82,10 @@ def model_path(cfg: VlmrlConfig) -> str:
 
 
 def observed(train_metrics: list[dict[str, float]]) -> dict[str, float]:
-    """The MoE routing metrics of a step's optimizer steps (means) and the forward time per
-    mixer kind (sums), as the trainer's StepObserver reports them."""
+    """The MoE routing metrics of a step's optimizer steps (means), the forward time per mixer
+    kind (the trainer's StepObserver), and its micro-batches and their padding tokens (sums)."""
     out: dict[str, float] = {}
-    keys = {k for m in train_metrics for k in m if k.startswith(("moe/", "perf/fwd_"))}
+    keys = {k for m in train_metrics for k in m if k.startswith(("moe/", "perf/"))}
     for key in sorted(keys):
         values = [m[key] for m in train_metrics if key in m]
         out[key] = sum(values) if key.startswith("perf/") else sum(values) / len(values)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_trainer_steps_bench_reports_real_steps(tmp_path):
     out = subprocess.run([sys.executable, "-m", "vlmrl.bench", "trainer-steps", "--model", "tiny", "--device", "cpu",
                           "--steps", "3", "--samples", "4", "--prompt", "20,40", "--response", "8,32",
-                          "--profile", "40", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          "--profile", "40", "--compile-cache", str(tmp_path / "compile"), "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "trainer_steps_tiny.json").read_text())
@@ -24,6 +24,16 @@ def test_trainer_steps_bench_reports_real_steps(tmp_path):
     assert all(s["seconds"] > 0 and s["grad_norm"] > 0 for s in steps)  # the policy was trained
     assert result["steady_tokens_per_s"] > 0 and result["warmup_s"] >= 0
     assert result["command"].startswith("python -m vlmrl.bench.trainer_steps")
+    # what the packing cost: every step's micro-batches and padding (none on the CPU: no
+    # CUDA-graph buckets, no CP / SP), and the time to the first step's end from the start
+    assert all(s["micro_batches"] >= 1 and s["pad_tokens"] == 0 for s in steps)
+    assert result["steady_pad_fraction"] == 0.0
+    assert result["to_first_step_end_s"] == result["init_s"] + steps[0]["seconds"]
+    # the compilers' caches where it was told, and how warm they were (a new folder: empty)
+    assert result["compile_cache"]["root"] == str(tmp_path / "compile")
+    assert set(result["compile_cache"]["files_at_start"].values()) == {0}
     # --profile: one more step profiled, the trainer's phases named among its ops
     by_total = out.stdout.split("ops by cpu_time_total")[1]
     assert "vlmrl.forward_backward" in by_total and "vlmrl.optimizer_step" in by_total
+    phases = result["phases_host_ms"]
+    assert phases["vlmrl.forward_backward"] > 0 and phases["vlmrl.optimizer_step"] > 0

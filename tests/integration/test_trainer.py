@@ -64,9 +64,14 @@ def _trainer_grad_norm(cfg, path: str, samples: list, bucket: bool = False) -> t
     trainer = MegatronTrainer(cfg, path)  # (re)creates Megatron's process groups for cfg.parallel
     if bucket:
         trainer.cuda_graphs = True  # the padding only: the CPU has no CUDA graphs
-        real = sum(s.num_tokens for s in samples)
-        assert sum(mb.packed.num_tokens for mb in trainer._micro_batches(samples)) > real
+    real = sum(s.num_tokens for s in samples)
+    mbs = trainer._micro_batches(samples)
+    packed = sum(mb.whole.num_tokens for mb in mbs)
+    assert packed > real if bucket else packed >= real
     metrics = trainer.sft_step(samples)
+    # the step reports its micro-batches and the padding they carried
+    assert metrics["perf/micro_batches"] == len(mbs) >= 1
+    assert metrics["perf/pad_tokens"] == packed - real
     fast = sum(bool(getattr(layer, "fast_path", False))
                for c in trainer.chunks for layer in c.language_model.decoder.layers)
     return metrics["grad_norm"], fast

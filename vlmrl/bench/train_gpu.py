@@ -157,10 +157,11 @@ DEVICE = "cuda" if CUDA else "cpu"  # CPU: a smoke test of the script with a sma
 PROFILE_TOP = 0  # > 0: print the top kernels of a profiled step per variant (--profile N)
 
 
-def profile(step: Any, name: str, top: int | None = None, steps: int = 2, by_total: bool = False) -> None:
+def profile(step: Any, name: str, top: int | None = None, steps: int = 2, by_total: bool = False) -> dict[str, float]:
     """Print the top ops of `steps` profiled steps by their own GPU time (own CPU time without
     CUDA); with `by_total` also by CPU time including children, where the trainer's phases
-    (`torch.profiler.record_function` scopes, e.g. "vlmrl.optimizer_step") come first."""
+    (`torch.profiler.record_function` scopes, e.g. "vlmrl.optimizer_step") come first.
+    Returns those phases' host milliseconds per step, children included."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -175,6 +176,7 @@ def profile(step: Any, name: str, top: int | None = None, steps: int = 2, by_tot
     for key in keys:
         print(f"--- {name}: top {top} ops by {key} ({steps} steps)")
         print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+    return {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key.startswith("vlmrl.")}
 
 
 TIMELINE = False  # --timeline: where one step's GPU sits idle (CUDA activity only, see `gpu_timeline`)

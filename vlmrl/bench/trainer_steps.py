@@ -13,10 +13,16 @@ kernels compile on first use; after that a step costs what it costs.
     python -m vlmrl.bench.trainer_steps --model qwen35_moe --steps 8 --profile 25 --sync-debug --timeline --out $OUT
                                     (then one more step per diagnostic: where a steady step's time goes)
 
-Reports per step: wall seconds, tokens, tokens/s, the number of graphs Dynamo has compiled
-so far and, with `hardware.cuda_graphs`, the CUDA graphs recorded so far (one set per token
-bucket: recording is warm-up too); then warm-up seconds = sum over steps of (step time - steady step time per token x
-step tokens), the steady rate being the median tokens/s of the second half of the steps.
+Reports per step: wall seconds, tokens, tokens/s, the micro-batches and the padding tokens
+they carried (`perf/micro_batches`, `perf/pad_tokens`), the number of graphs Dynamo has
+compiled so far and, with `hardware.cuda_graphs`, the CUDA graphs recorded so far (one set per
+token bucket: recording is warm-up too); then warm-up seconds = sum over steps of (step time -
+steady step time per token x step tokens), the steady rate being the median tokens/s of the
+second half of the steps, and the time to the end of the first step from the trainer's start
+(init included: on a fresh machine that is where FlashQLA's kernels compile, in the Gated
+DeltaNet check). The compilers keep their kernels under `--compile-cache` (default
+`hardware.compile_cache_dir`, as in a run); the JSON says how many files each cache held at
+the start (0: a cold machine). `--profile` also records the trainer's phases (host ms).
 """
 
 from __future__ import annotations
@@ -76,8 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-debug", action="store_true", help="after the steps, list the host syncs of one step (CUDA)")
     ap.add_argument("--timeline", action="store_true",
                     help="after the steps, where the GPU idles in one step (CUDA; the trace goes to --out)")
+    ap.add_argument("--compile-cache", default=None,
+                    help="where the compilers keep their kernels (default: hardware.compile_cache_dir); "
+                         "'' for each library's own default")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args(argv)
+    from .train_gpu import compile_cache
+
+    cache = compile_cache(args.compile_cache)  # before any compiler is imported
     dtype = "bfloat16" if args.device == "cuda" else "float32"
 
     import torch
@@ -117,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             replays = cuda_graph_stats() if trainer.cuda_graphs else None
             mem = memory(args.device)
             rows.append({"step": step, "seconds": sec, "tokens": tokens, "tokens_per_s": tokens / sec,
+                         "micro_batches": int(metrics["perf/micro_batches"]),
+                         "pad_tokens": int(metrics["perf/pad_tokens"]),
                          "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
                          "cuda_graphs": replays, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
                          **mem})
             print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
+                  f"{rows[-1]['micro_batches']} micro-batches, {rows[-1]['pad_tokens']} padding  "
                   f"graphs {rows[-1]['graphs_compiled']}"
                   + (f"  CUDA graphs recorded {replays['graphs']}" if replays else "")
                   + (f"  peak {mem['peak_allocated_gib']:.1f} GiB, reserved {mem['reserved_gib']:.1f} GiB, "
@@ -135,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.train_step(extra)
 
             if args.profile:
-                train_gpu.profile(step, "trainer step", top=args.profile, steps=1, by_total=True)
+                diagnostics["phases_host_ms"] = train_gpu.profile(step, "trainer step", top=args.profile, steps=1,
+                                                                  by_total=True)
             if args.sync_debug and args.device == "cuda":
                 diagnostics["sync_points"] = train_gpu.sync_points(step, "trainer step")
             if args.timeline and args.device == "cuda":
                 diagnostics["timeline"] = train_gpu.gpu_timeline(step, "trainer-step", Path(args.out))
-        steady = statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 2:])
+        steady_rows = rows[len(rows) // 2:]
+        steady = statistics.median(r["tokens_per_s"] for r in steady_rows)
         warmup = sum(max(r["seconds"] - r["tokens"] / steady, 0.0) for r in rows)
         result = {
             "command": "python -m vlmrl.bench.trainer_steps " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -148,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "model": args.model, "init_s": init_s, "steps": rows,
             "steady_tokens_per_s": steady, "warmup_s": warmup,
-            "first_step_s": rows[0]["seconds"], "steady_step_s": statistics.median(r["seconds"] for r in rows[len(rows) // 2:]),
+            "first_step_s": rows[0]["seconds"], "to_first_step_end_s": init_s + rows[0]["seconds"],
+            "steady_step_s": statistics.median(r["seconds"] for r in steady_rows),
+            "steady_pad_fraction": sum(r["pad_tokens"] for r in steady_rows)
+            / sum(r["tokens"] + r["pad_tokens"] for r in steady_rows),
+            "samples_per_step": args.samples, "compile_cache": cache,
             **diagnostics,
         }
         out = Path(args.out)
@@ -156,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"trainer_steps_{args.model}.json").write_text(json.dumps(result, indent=2))
         print(f"{args.model}: trainer init {init_s:.1f} s; step 1 {rows[0]['seconds']:.1f} s; steady "
               f"{steady:.0f} tok/s ({result['steady_step_s']:.2f} s/step); warm-up cost {warmup:.1f} s over "
-              f"{args.steps} steps", flush=True)
+              f"{args.steps} steps; first step done {result['to_first_step_end_s']:.1f} s after the trainer's "
+              f"start; padding {result['steady_pad_fraction']:.1%} of the steady steps' tokens", flush=True)
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

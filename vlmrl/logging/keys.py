@@ -58,6 +58,9 @@ perf (seconds unless stated)
   perf/tokens_per_gpu_per_sec   trained tokens (prompt + response) / train_time / GPUs
   perf/fwd_<kind>_s             forward time of the step's Gated DeltaNet ("gdn"), attention
                                 and MoE blocks (training forwards; backward not split)
+  perf/micro_batches            micro-batches of the step's optimizer updates (trainer rank 0)
+  perf/pad_tokens               padding tokens in them (CP / SP per-sample padding, CUDA-graph
+                                token buckets); with perf/micro_batches, what the packing costs
 moe (MoE models; means over the step's optimizer updates)
   moe/imbalance/layer_<n>       largest expert load / mean expert load of layer n (1 = even)
   moe/imbalance_max, moe/imbalance_mean
@@ -102,6 +105,9 @@ PERF_STEP_TIME = "perf/step_time"
 PERF_TOKENS_PER_GPU_PER_SEC = "perf/tokens_per_gpu_per_sec"
 PERF_UPDATE_WEIGHTS_GB_PER_S = "perf/update_weights_gb_per_s"  # bytes sent to each engine / sync time
 PERF_LOGPROB_TIME = "perf/logprob_time"  # the trainer's old-policy logprob pass (part of train_time)
+# the trainer's micro-batches and their padding (vlmrl.training.trainer.micro_batch_metrics)
+PERF_MICRO_BATCHES = "perf/micro_batches"
+PERF_PAD_TOKENS = "perf/pad_tokens"
 # colocated moves of device memory between trainer and engines (vlmrl.cluster.colocation)
 PERF_OFFLOAD_TIME = "perf/offload_time"
 PERF_ONLOAD_TIME = "perf/onload_time"
@@ -137,6 +143,8 @@ PERF_KEYS = (
     PERF_TOKENS_PER_GPU_PER_SEC,
     PERF_UPDATE_WEIGHTS_GB_PER_S,
     PERF_LOGPROB_TIME,
+    PERF_MICRO_BATCHES,
+    PERF_PAD_TOKENS,
     PERF_OFFLOAD_TIME,
     PERF_ONLOAD_TIME,
     PERF_ENGINE_RELEASE_TIME,

@@ -146,6 +146,14 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
     return patched
 
 
+
+def micro_batch_metrics(mbs: Sequence[MicroBatch]) -> dict[str, float]:
+    """What one update's micro-batches cost beyond their tokens: how many ran (each is a
+    forward, a backward and a gradient accumulation) and the padding tokens they carried
+    (per-sample padding for CP / SP, the CUDA-graph token buckets), whole micro-batches."""
+    pad = sum(mb.whole.num_tokens - sum(mb.whole.seq_lens) for mb in mbs)
+    return {"perf/micro_batches": float(len(mbs)), "perf/pad_tokens": float(pad)}
+
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
@@ -561,6 +569,7 @@ class MegatronTrainer:
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         out["update_skipped"] = float(not ok)
+        out.update(micro_batch_metrics(mbs))
         return out
 
     def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
