@@ -29,11 +29,15 @@ def test_trainer_steps_bench_reports_real_steps(tmp_path):
     assert all(s["micro_batches"] >= 1 and s["pad_tokens"] == 0 for s in steps)
     assert result["steady_pad_fraction"] == 0.0
     assert result["to_first_step_end_s"] == result["init_s"] + steps[0]["seconds"]
+    # where the trainer's start went, part by part, within the bench's own clock of it
+    phases = result["init_phases_s"]
+    assert {"build", "check_gdn", "check_attention", "load_weights", "ddp", "optimizer"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= result["init_s"]
     # the compilers' caches where it was told, and how warm they were (a new folder: empty)
     assert result["compile_cache"]["root"] == str(tmp_path / "compile")
     assert set(result["compile_cache"]["files_at_start"].values()) == {0}
     # --profile: one more step profiled, the trainer's phases named among its ops
     by_total = out.stdout.split("ops by cpu_time_total")[1]
     assert "vlmrl.forward_backward" in by_total and "vlmrl.optimizer_step" in by_total
-    phases = result["phases_host_ms"]
-    assert phases["vlmrl.forward_backward"] > 0 and phases["vlmrl.optimizer_step"] > 0
+    step_phases = result["phases_host_ms"]
+    assert step_phases["vlmrl.forward_backward"] > 0 and step_phases["vlmrl.optimizer_step"] > 0

@@ -57,7 +57,9 @@ def test_weight_sync_gives_engine_the_trainer_logprobs(tmp_path, cache_dir, mode
         # every worker keeps its compiled kernels in the run's compile cache (unless the user set one)
         worker_env = ray.get(ray.remote(lambda: {k: os.environ.get(k) for k in (
             "TORCHINDUCTOR_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")}).remote())
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
             assert worker_env == {"TORCHINDUCTOR_CACHE_DIR": f"{cfg.model.cache_dir}/compile/inductor",
                                   "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
         loop.placement = create_placement(cfg, compute_layout(cfg))

@@ -210,6 +210,24 @@ def test_compile_caches_live_under_the_run_cache_and_the_users_settings_win():
     mine = compile_cache_env(root, environ={"TRITON_CACHE_DIR": "/scratch/triton"})
     assert "TRITON_CACHE_DIR" not in mine and mine["TORCHINDUCTOR_CACHE_DIR"] == f"{root}/inductor"
     assert compile_cache_env("", environ={}) == {}
+    # Inductor writes its default folder into the environment at its first compile (so a
+    # process that compiled anything passes it on): that is torch's choice, not the user's
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    @torch.compile
+    def double(x):
+        return x * 2
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        double(torch.ones(3))
+        written = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert written == cache_dir()
+        assert compile_cache_env(root)["TORCHINDUCTOR_CACHE_DIR"] == f"{root}/inductor"
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")  # the user's own: left alone
+        assert "TORCHINDUCTOR_CACHE_DIR" not in compile_cache_env(root)
 
 
 def test_the_training_bench_says_how_warm_its_compile_cache_was(tmp_path, monkeypatch):

@@ -48,13 +48,24 @@ def compile_cache_env(root: str, environ: dict[str, str] | None = None) -> dict[
     (they read them at import or first compile). FlashAttention 4 keeps its CuTe DSL kernels
     on disk only when asked (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`), so without this every
     process compiles them again. Variables set in `environ` (default: this process's) are
-    left out: the user's own setting wins. An empty `root` sets nothing."""
+    left out: the user's own setting wins. Not torch's own: at its first compile Inductor
+    writes its default folder into the environment, where every process started later would
+    inherit it as if the user had chosen it. An empty `root` sets nothing."""
     if not root:
         return {}
     environ = os.environ if environ is None else environ
     out = {var: os.path.join(root, sub) for var, sub in COMPILE_CACHE_VARS.items()}
     out["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
-    return {k: v for k, v in out.items() if k not in environ}
+    return {k: v for k, v in out.items() if k not in environ or _torch_default(k, environ[k])}
+
+
+def _torch_default(var: str, value: str) -> bool:
+    """Whether `value` of `var` is what torch itself puts there (Inductor's default folder)."""
+    if var != "TORCHINDUCTOR_CACHE_DIR":
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(value) == os.path.abspath(default_cache_dir())
 
 
 # Calls of each compiled function whose activations are marked dynamic in their token dim

@@ -18,6 +18,7 @@ The same code runs on CPU ranks over gloo and on GPUs over NCCL.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -147,6 +148,18 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
 
 
 
+def _laps(into: dict[str, float]) -> Any:
+    """`lap(name)`: store the host seconds since the previous lap (or this call) under `name`."""
+    last = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        into[name] = now - last[0]
+        last[0] = now
+
+    return lap
+
+
 def micro_batch_metrics(mbs: Sequence[MicroBatch]) -> dict[str, float]:
     """What one update's micro-batches cost beyond their tokens: how many ran (each is a
     forward, a backward and a gradient accumulation) and the padding tokens they carried
@@ -158,6 +171,9 @@ class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
 
     def __init__(self, cfg: VlmrlConfig, model_path: str, *, total_steps: int | None = None) -> None:
+        # host seconds of each part of the start (a fresh machine compiles kernels in the checks)
+        self.init_phases_s: dict[str, float] = {}
+        lap = _laps(self.init_phases_s)
         from megatron.core import parallel_state as mps
 
         from ..models import adapters
@@ -166,7 +182,9 @@ class MegatronTrainer:
 
         self.cfg = cfg
         self.model_cfg = cfg.model
+        lap("imports")
         self.info = init_parallel_state(cfg.parallel, backend=cfg.hardware.dist_backend, seed=cfg.seed)
+        lap("parallel_state")
         self.dtype = DTYPES[cfg.hardware.train_dtype]
         self.cuda_graphs = cuda_graphs_in_training(cfg)
         from ..models import routing
@@ -183,9 +201,13 @@ class MegatronTrainer:
         chunks = build(cuda_graphs=self.cuda_graphs)
         for c in chunks:  # the engine's experts replace the router's own (algo.routing_replay)
             routing.configure(c, replay=cfg.algo.routing_replay != "none")
+        lap("build")
         self._check_gdn_fast_path()
+        lap("check_gdn")
         self._check_attention_backend()
+        lap("check_attention")
         adapters.load_hf_weights(chunks, cfg.model, model_path)
+        lap("load_weights")
         self.ref_chunks = None
         # what the reference model holds: "initial" (the start checkpoint) or "warmup" (the
         # policy at the end of the SFT warm-up, `set_reference_to_policy`); checkpoints keep it
@@ -195,13 +217,16 @@ class MegatronTrainer:
             adapters.load_hf_weights(self.ref_chunks, cfg.model, model_path)
             for c in self.ref_chunks:
                 c.eval().requires_grad_(False)
+            lap("reference")
 
         self.model = self._wrap_ddp(chunks)
+        lap("ddp")
         # trainer.offload: weights and DDP buffers go into torch_memory_saver's regions now,
         # before the optimizer's state exists (the placement copies one storage at a time)
         self._offload = self._offload_regions()
         if self._offload is not None:
             self._offload.adopt()
+            lap("offload_regions")
         # Megatron's schedules call this after the last micro-batch: the DP gradient
         # all-reduce, the sequence-parallel norm and tied-embedding reductions, (with
         # calculate_per_token_loss) the division by the global token count, and the TP sums
@@ -211,6 +236,7 @@ class MegatronTrainer:
         for c in chunks:
             c.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = self._optimizer()
+        lap("optimizer")
         if self._offload is not None:
             # the optimizer's state exists from the start, in the region (torch makes it at
             # the first step otherwise), and no storage moves from here on
@@ -221,6 +247,7 @@ class MegatronTrainer:
             self._offload.finish_build()
             # the pinned host copy, allocated now rather than in the first offload
             self.offload_host_copy_s = self._offload.allocate_host_copy()
+            lap("offload_setup")
         self.scheduler = self._scheduler(total_steps or cfg.num_steps)
         from .observe import StepObserver
 
@@ -228,6 +255,9 @@ class MegatronTrainer:
         self.observer = StepObserver(chunks)
         self.tp_group = mps.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
         self.steps = 0
+        if self.info.rank == 0:  # where a slow start went (kernel compiles happen in the checks)
+            print("trainer start, host s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.init_phases_s.items()),
+                  flush=True)
 
     # ------------------------------------------------------------------ setup
     def _check_gdn_fast_path(self) -> None:
