@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,20 @@ def rig(tmp_path_factory, cache_dir):
                    "prompts": prompts, "run_dir": run_dir, "key": key}
         finally:
             asyncio.run(engines.shutdown())
+            _keep_logs(run_dir)
+
+
+def _keep_logs(run_dir) -> None:
+    """The servers' logs (startup phases, the loader's lines) into $OUT when the device tool
+    runs the tests: the test's run folder is gone with the machine."""
+    import shutil
+
+    out = os.environ.get("OUT")
+    if out:
+        dest = Path(out) / "sglang-test-logs"
+        dest.mkdir(parents=True, exist_ok=True)
+        for log in (Path(run_dir) / "logs").glob("*.log"):
+            shutil.copy(log, dest / log.name)
 
 
 def _run(coro):
