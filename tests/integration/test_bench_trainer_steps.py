@@ -27,6 +27,7 @@ def test_trainer_steps_bench_reports_real_steps(tmp_path):
     # what the packing cost: every step's micro-batches and padding (none on the CPU: no
     # CUDA-graph buckets, no CP / SP), and the time to the first step's end from the start
     assert all(s["micro_batches"] >= 1 and s["pad_tokens"] == 0 for s in steps)
+    assert all(s["recompiles"] == [] for s in steps)  # nothing compiled (no fused kernels here)
     assert result["steady_pad_fraction"] == 0.0
     assert result["to_first_step_end_s"] == result["init_s"] + steps[0]["seconds"]
     # where the trainer's start went, part by part, within the bench's own clock of it

@@ -137,3 +137,25 @@ def test_a_pair_on_other_token_layouts_is_refused():
 ])
 def test_vlmrl_variant_names_pick_graphs_and_attention(variant, graphs, attention):
     assert vlmrl_variant_options(variant) == {"cuda_graphs": graphs, "attention": attention}
+
+
+def test_trainer_steps_names_what_compiled_again():
+    """The trainer-steps bench keeps Dynamo's recompile messages: the function and the guard
+    that failed (here an int argument first compiled as a constant)."""
+    import torch
+
+    from vlmrl.bench.trainer_steps import recompile_log
+
+    messages = recompile_log()
+    try:
+        def scaled(x, n: int):
+            return x * n
+
+        f = torch.compile(scaled)
+        f(torch.ones(4), 2)
+        assert messages == []  # a first compile is no recompile
+        f(torch.ones(4), 3)
+        assert len(messages) == 1
+        assert "Recompiling function scaled" in messages[0] and "n == 2" in messages[0]
+    finally:
+        torch._logging.set_logs()  # torch's logging as it was (the handler only fills the list)

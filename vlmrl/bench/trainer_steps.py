@@ -53,6 +53,30 @@ def batch(rng: random.Random, n: int, vocab: tuple[int, int], prompt: tuple[int,
     return out
 
 
+def recompile_log() -> list[str]:
+    """From now on, every message Dynamo logs when a compiled function compiles again: which
+    function, and the guard that failed (a shape it had specialised on, an int that changed).
+    The list fills as they come; torch also prints them (its `recompiles` logs, switched on)."""
+    import logging
+
+    import torch
+    import torch._dynamo  # noqa: F401  (its modules create the artifact loggers)
+
+    torch._logging.set_logs(recompiles=True)
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    names = [n for n in logging.root.manager.loggerDict if n.endswith(".__recompiles")]
+    if not names:
+        raise RuntimeError("torch has no `recompiles` log here: the bench cannot say what compiled again")
+    for name in names:
+        logging.getLogger(name).addHandler(Keep())
+    return messages
+
+
 def memory(device: str) -> dict[str, Any]:
     """The caching allocator's figures since the last call: peak allocated, reserved, and its
     retries (a retry frees every cached block and synchronises: a step near the memory limit
@@ -108,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", free_port())
         t0 = time.perf_counter()
         worker.init(str(ckpt), total_steps=args.steps)
+        recompiles = recompile_log()  # the steps' recompiles (the start's checks compile first versions)
         init_s = time.perf_counter() - t0
         trainer = worker.trainer
         rng = random.Random(0)
@@ -132,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                          "micro_batches": int(metrics["perf/micro_batches"]),
                          "pad_tokens": int(metrics["perf/pad_tokens"]),
                          "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+                         # what compiled again in this step, and why (first lines of each message)
+                         "recompiles": ["\n".join(m.splitlines()[:3]) for m in recompiles],
                          "cuda_graphs": replays, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
                          **mem})
             print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
@@ -140,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  CUDA graphs recorded {replays['graphs']}" if replays else "")
                   + (f"  peak {mem['peak_allocated_gib']:.1f} GiB, reserved {mem['reserved_gib']:.1f} GiB, "
                      f"allocator retries {mem['alloc_retries']}" if mem else ""), flush=True)
+            recompiles.clear()
         diagnostics: dict[str, Any] = {}
         if args.profile or args.sync_debug or args.timeline:  # one more batch, stepped once per diagnostic
             from . import train_gpu
