@@ -147,7 +147,6 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
     return patched
 
 
-
 def _laps(into: dict[str, float]) -> Any:
     """`lap(name)`: store the host seconds since the previous lap (or this call) under `name`."""
     last = [time.perf_counter()]
@@ -166,6 +165,7 @@ def micro_batch_metrics(mbs: Sequence[MicroBatch]) -> dict[str, float]:
     (per-sample padding for CP / SP, the CUDA-graph token buckets), whole micro-batches."""
     pad = sum(mb.whole.num_tokens - sum(mb.whole.seq_lens) for mb in mbs)
     return {"perf/micro_batches": float(len(mbs)), "perf/pad_tokens": float(pad)}
+
 
 class MegatronTrainer:
     """Needs torch.distributed's default group (RANK/WORLD_SIZE/MASTER_* rendezvous)."""
