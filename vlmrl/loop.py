@@ -600,6 +600,8 @@ class Loop:
         }
         if self.memory_problems:
             summary["memory_plan_problems"] = self.memory_problems
+        if self.trainer is not None:  # where the trainer's start went (kernel compiles are in the checks)
+            summary["trainer_start_s"] = {k: round(v, 2) for k, v in self.trainer.start_phases_s.items()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"run dir: {self.run_dir}\nplots: {self.run_dir / 'plots'}\n"
               f"eval accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f} "

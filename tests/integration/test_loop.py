@@ -196,6 +196,10 @@ def test_loop_with_model_parallel_trainer(tmp_path, cache_dir, layout):
     summary = train(_config(tmp_path, cache_dir, ["cluster.num_cpu_ranks=2", "save_hf=false", "save_interval=2",
                                                   *layout]))
     assert summary["rl_steps"] == 2
+    # rank 0's start, part by part, in the summary (and its file)
+    start = json.loads((tmp_path / "summary.json").read_text())["trainer_start_s"]
+    assert {"imports", "build", "check_gdn", "check_attention", "load_weights", "ddp", "optimizer"} <= set(start)
+    assert all(v >= 0 for v in start.values()) and start["build"] > 0
     rl = [r for r in read_metrics(tmp_path) if "rl_step" in r]
     assert [r["rl_step"] for r in rl] == [1, 2]
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl

@@ -59,7 +59,7 @@ class TrainerWorker:
         self.trainer = MegatronTrainer(self.cfg, model_path, total_steps=total_steps)
         i = self.trainer.info
         return {"rank": i.rank, "dp_rank": i.dp_rank, "dp_size": i.dp_size, "tp_rank": i.tp_rank,
-                "pp_rank": i.pp_rank, "cp_rank": i.cp_rank}
+                "pp_rank": i.pp_rank, "cp_rank": i.cp_rank, "init_phases_s": dict(self.trainer.init_phases_s)}
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         return self.trainer.train_step(samples)
@@ -218,6 +218,12 @@ class TrainerGroup:
     @property
     def dp_size(self) -> int:
         return self.ranks[0]["dp_size"]
+
+    @property
+    def start_phases_s(self) -> dict[str, float]:
+        """Global rank 0's start, part by part (host seconds: imports, build, the kernel checks,
+        weight load, DDP, optimizer; `MegatronTrainer.init_phases_s`)."""
+        return next(r for r in self.ranks if r["rank"] == 0)["init_phases_s"]
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:
