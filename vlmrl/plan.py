@@ -20,9 +20,11 @@ from .config.memory import (
     checkpoint_host_bytes,
     count_params,
     estimate_memory,
+    largest_micro_batch_tokens,
     offload_host_bytes,
     phase_memory,
     sequence_length,
+    step_tokens_per_rank,
     trainer_offload,
     trainer_ranks_per_node,
 )
@@ -116,6 +118,15 @@ def render_plan(cfg: VlmrlConfig) -> str:
     console.print(mt)
     console.print(f"  activations for {mem.tokens_per_micro_batch} tokens per micro-batch"
                   + (", split over cp" if p.cp > 1 else ""))
+    largest = largest_micro_batch_tokens(cfg)
+    if largest is not None:
+        tokens, peak = largest
+        whole = tokens >= step_tokens_per_rank(cfg)
+        console.print(f"  micro-batch budget: parallel.max_tokens_per_gpu={p.max_tokens_per_gpu}; every phase fits "
+                      f"90% of the GPU up to {tokens} tokens (peak {_gib(peak)})"
+                      + (", a rank's whole optimizer step in one micro-batch" if whole else "")
+                      + ". Fewer, larger micro-batches cost less per step (each is a forward, a backward and "
+                      "a gradient accumulation)")
     if p.tp > lm.num_query_groups:
         console.print(f"  attention: tp {p.tp} > {lm.num_query_groups} KV groups: each rank holds 1/{p.tp} of the fused "
                       f"QKV weights and all-gathers their projections, then keeps its KV group "

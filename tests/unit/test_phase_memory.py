@@ -24,6 +24,7 @@ from vlmrl.config.memory import (
     count_params,
     engine_weight_bytes,
     estimate_memory,
+    largest_micro_batch_tokens,
     measured_phase_peak,
     measured_phase_split,
     offload_config_problems,
@@ -33,6 +34,7 @@ from vlmrl.config.memory import (
     phase_memory,
     phase_memory_metrics,
     sglang_kv_tokens,
+    step_tokens_per_rank,
     trainer_offload,
     trainer_ranks_per_node,
 )
@@ -158,6 +160,44 @@ def test_plan_prints_the_phases_and_warns_without_offload():
         assert f"│ {phase}" in text
     assert "warning: the rollout phase needs about" in text and "trainer.offload=true" in text
     assert "warning: the rollout phase" not in render_plan(_cfg(*REFERENCE))
+
+
+def test_largest_micro_batch_budget_fits_and_one_step_more_does_not():
+    """The plan's micro-batch budget: the largest `parallel.max_tokens_per_gpu` (in steps of
+    1024 tokens) at which every phase fits 90% of the GPU. The 2.88B scaled MoE on one H200
+    (trained at 4096 tokens, 75-77 GiB measured in the train phase) fits more than twice that."""
+    cfg = _cfg(*H200_SCALED)
+    tokens, peak = largest_micro_batch_tokens(cfg)
+    budget = 0.9 * cfg.hardware.gpu_memory_gb * GIB
+
+    def peak_at(n: int) -> float:
+        return max(phase_estimates(_cfg(*H200_SCALED, f"parallel.max_tokens_per_gpu={n}")).values())
+
+    assert tokens % 1024 == 0 and tokens >= 2 * cfg.parallel.max_tokens_per_gpu, tokens
+    assert peak == peak_at(tokens) <= budget < peak_at(tokens + 1024)
+    # a stricter fraction gives a smaller budget; none on CPU ranks or with fixed micro-batches
+    assert largest_micro_batch_tokens(cfg, fraction=0.85)[0] < tokens
+    assert largest_micro_batch_tokens(_cfg()) is None
+    assert largest_micro_batch_tokens(_cfg(*H200_SCALED, "parallel.use_dynamic_batch_size=false")) is None
+    # where not even the smallest budget fits, it says so with None
+    assert largest_micro_batch_tokens(cfg, fraction=0.01) is None
+
+
+def test_plan_prints_the_micro_batch_budget():
+    from vlmrl.plan import render_plan
+
+    cfg = _cfg(*H200_SCALED)
+    tokens, _ = largest_micro_batch_tokens(cfg)
+    text = render_plan(cfg)
+    assert f"micro-batch budget: parallel.max_tokens_per_gpu={cfg.parallel.max_tokens_per_gpu}" in text
+    assert f"up to {tokens} tokens" in text
+    assert "micro-batch budget" not in render_plan(_cfg())  # CPU ranks: no GPU to fill
+    # a small model fits a rank's whole optimizer step in one micro-batch: the budget stops there
+    small = _cfg(*SHARED)
+    whole = step_tokens_per_rank(small)
+    assert whole == small.trainer.global_batch_size * (small.data.max_prompt_length + small.rollout.max_new_tokens)
+    assert largest_micro_batch_tokens(small)[0] == -(-whole // 1024) * 1024
+    assert "a rank's whole optimizer step in one micro-batch" in render_plan(small)
 
 
 def test_compare_phase_memory():

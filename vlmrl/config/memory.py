@@ -19,7 +19,7 @@ static pool) are the constants below, named as parts wherever they count.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .layout import compute_layout, is_moe_model
 from .schema import LanguageModelConfig, VisionConfig, VlmrlConfig
@@ -581,6 +581,44 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
             (f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB)", 2 * bucket),
             *[(name.removeprefix("released "), b) for name, b in released_engine]])),
     ]
+
+
+def step_tokens_per_rank(cfg: VlmrlConfig) -> int:
+    """The most tokens one trainer rank gets for one optimizer step (its share of
+    `trainer.global_batch_size` samples at the longest sequence, times cp): no micro-batch
+    holds more."""
+    dp = compute_layout(cfg).dp
+    return -(-cfg.trainer.global_batch_size // dp) * sequence_length(cfg)
+
+
+def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = 0.9, granularity: int = 1024,
+                               limit: int | None = None) -> tuple[int, float] | None:
+    """The largest `parallel.max_tokens_per_gpu` (a multiple of `granularity`, at most `limit`,
+    by default a rank's whole share of an optimizer step, `step_tokens_per_rank` rounded up) at
+    which every phase of a step fits in `fraction` of one GPU, with that budget's highest phase
+    peak in bytes. Fewer, larger micro-batches mean fewer per-micro-batch costs in a step (each
+    adds a forward, a backward and a full fp32 gradient accumulation). None on CPU ranks, with
+    a fixed micro-batch size (`use_dynamic_batch_size=false`), or where not even `granularity`
+    tokens fit."""
+    p = cfg.parallel
+    if cfg.hardware.device != "cuda" or not p.use_dynamic_batch_size or granularity < 1:
+        return None
+    if limit is None:
+        limit = -(-step_tokens_per_rank(cfg) // granularity) * granularity
+    budget = fraction * cfg.hardware.gpu_memory_gb * GIB
+
+    def peak(tokens: int) -> float:
+        trial = replace(cfg, parallel=replace(p, max_tokens_per_gpu=tokens))
+        return max(ph.total for ph in phase_memory(trial))
+
+    lo, hi = 0, limit // granularity  # in units of granularity; the peak grows with the tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak(mid * granularity) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return (lo * granularity, peak(lo * granularity)) if lo else None
 
 
 def offload_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
