@@ -198,6 +198,9 @@ def test_plan_prints_the_micro_batch_budget():
     assert whole == small.trainer.global_batch_size * (small.data.max_prompt_length + small.rollout.max_new_tokens)
     assert largest_micro_batch_tokens(small)[0] == -(-whole // 1024) * 1024
     assert "a rank's whole optimizer step in one micro-batch" in render_plan(small)
+    # the cap is per GPU: a data-parallel group's share of the step, split over its cp ranks
+    split = _cfg(*SHARED, "cluster.num_gpus=4", "rollout.num_gpus=4", "parallel.cp=2")
+    assert step_tokens_per_rank(split) == -(-whole // 2 // 2)  # dp 2 x cp 2
 
 
 def test_compare_phase_memory():
