@@ -587,8 +587,8 @@ def step_tokens_per_rank(cfg: VlmrlConfig) -> int:
     """The most tokens one trainer GPU gets for one optimizer step: its data-parallel group's
     share of `trainer.global_batch_size` samples at the longest sequence, split over cp (the
     unit of `parallel.max_tokens_per_gpu`). No micro-batch holds more."""
-    dp = compute_layout(cfg).dp
-    return -(-(-(-cfg.trainer.global_batch_size // dp) * sequence_length(cfg)) // cfg.parallel.cp)
+    samples = -(-cfg.trainer.global_batch_size // compute_layout(cfg).dp)
+    return -(-samples * sequence_length(cfg) // cfg.parallel.cp)
 
 
 def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = 0.9, granularity: int = 1024,
