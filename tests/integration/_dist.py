@@ -497,3 +497,38 @@ def activation_bytes_worker(rank: int, world_size: int, overrides: list[str],
     out["moe_backward"] = peak - at_start
     out["moe_tokens"] = x.shape[0]
     return out
+
+
+def build_host_bytes_worker(rank: int, world_size: int, option: str) -> dict[str, Any]:
+    """Build `model=<option>` with the compute device reported as `meta` (a stand-in for a
+    GPU: nothing is computed) and count the bytes that tensor factories made on the host
+    meanwhile, against the parameters' bytes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vlmrl.config import load
+    from vlmrl.config.schema import ParallelConfig
+    from vlmrl.models import bridge, compat
+    from vlmrl.training.parallel_state import init_parallel_state
+
+    init_parallel_state(ParallelConfig(), backend="gloo", seed=0)
+    model = load([f"model={option}"], check_rules=False).model
+    factories = {"empty", "empty_strided", "randn", "rand", "zeros", "ones", "full", "normal", "arange",
+                 "empty_like", "zeros_like", "ones_like", "randn_like", "uniform"}
+
+    class HostBytes(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name.split("::")[-1].rstrip("_") in factories:
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                        self.bytes += t.numel() * t.element_size()
+            return out
+
+    compat.device = lambda: torch.device("meta")  # this process only (spawned)
+    with HostBytes() as mode:
+        chunk = bridge.build_model(model, ParallelConfig(), params_dtype=torch.bfloat16)[0]
+    return {"host_bytes": mode.bytes, "param_bytes": sum(p.numel() * p.element_size() for p in chunk.parameters()),
+            "devices": sorted({p.device.type for p in chunk.parameters()})}

@@ -163,6 +163,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
     vision_cfg = hf_vision_config if hf_vision_config is not None else hf_config(model).vision_config
     rope = MRopeSpec.from_lm_config(model.lm)
     vpp = parallel.vpp or 1
+    dev = compat.device()
     chunks = []
     for vp in range(vpp):
         vp_stage = vp if parallel.vpp else None
@@ -170,17 +171,22 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
         post = mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         spec = block_spec(model, config, attention_backend=attention_backend, vp_stage=vp_stage,
                           fused_kernels=fused_kernels, gdn_backend=gdn_backend)
-        chunk = QwenVLModel(config, spec, vocab_size=model.lm.vocab_size,
-                            max_sequence_length=model.lm.max_position_embeddings, rope=rope,
-                            hf_vision_config=vision_cfg, tie_word_embeddings=model.lm.tie_word_embeddings,
-                            pre_process=pre, post_process=post, vp_stage=vp_stage,
-                            vision_attn_implementation=vision_attn_implementation,
-                            vision_tower_class=families.get(model.family).vision_tower_class(vision_cfg))
+        # made, and randomly initialised, where they will run: modules that allocate on the
+        # default device (the HF-shaped experts and Gated DeltaNet projections, the HF vision
+        # tower) drew 2.4B host randoms for the scaled Qwen3.5-MoE, about a minute of every
+        # trainer start on a GPU machine
+        with dev:
+            chunk = QwenVLModel(config, spec, vocab_size=model.lm.vocab_size,
+                                max_sequence_length=model.lm.max_position_embeddings, rope=rope,
+                                hf_vision_config=vision_cfg, tie_word_embeddings=model.lm.tie_word_embeddings,
+                                pre_process=pre, post_process=post, vp_stage=vp_stage,
+                                vision_attn_implementation=vision_attn_implementation,
+                                vision_tower_class=families.get(model.family).vision_tower_class(vision_cfg))
         if model.lm.num_experts:
             from .moe import use_local_dispatch
 
             use_local_dispatch(chunk, compiled=fused_kernels)
-        chunk = chunk.to(compat.device())
+        chunk = chunk.to(dev)
         if cuda_graphs and fused_kernels:
             from .kernels import use_cuda_graphs
 
