@@ -228,6 +228,31 @@ def test_compiled_moe_block_on_cuda():
     assert m_known == c_known == tokens - 3 and 0 < c_differ == m_differ <= c_known
 
 
+def test_compiled_norm_compiles_once_across_micro_batch_sizes():
+    """The compiled RMSNorm's forward and backward, at token counts on both sides of
+    Inductor's mix-order reduction thresholds for a 2,048-wide hidden state (2,560 and 4,096
+    tokens): one compile, however the micro-batches' sizes vary (`kernels.compile_options`).
+    Before, each range of sizes compiled again (3-4 compiles per function in a training run's
+    first steps)."""
+    import torch._dynamo.utils
+
+    from vlmrl.models.kernels import fused
+    from vlmrl.models.norm import rms_norm
+
+    graphs = torch._dynamo.utils.counters["stats"]
+    w = torch.nn.Parameter(torch.randn(2048, device="cuda", dtype=torch.bfloat16) * 0.1)
+    seen = []
+    for tokens in (6000, 3000, 1000, 9000, 4096):
+        x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        before = graphs["unique_graphs"]
+        out = fused(rms_norm)(x, w, 1e-6, True)
+        out.float().square().sum().backward()
+        seen.append(graphs["unique_graphs"] - before)
+        ref = rms_norm(x.detach(), w.detach(), 1e-6, True)
+        assert _rel(out.detach(), ref) < 2e-2
+    assert seen == [1, 0, 0, 0, 0], seen
+
+
 def test_fused_layers_on_cuda():
     """`FusedTransformerLayer`'s compiled fast path on CUDA, both Qwen3.5 layer kinds, five
     packed samples (4048 tokens: flash varlen attention in bf16; the torch Gated DeltaNet

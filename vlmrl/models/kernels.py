@@ -73,9 +73,27 @@ def _torch_default(var: str, value: str) -> bool:
 _MARKED_CALLS = 64
 
 
+def compile_options(graphs: bool) -> dict[str, Any]:
+    """Inductor's options for vlmrl's compiled functions: "reduce-overhead"'s (CUDA graphs)
+    with `graphs`, and Inductor's mix-order reductions (a norm's backward: the per-token
+    reduction and the weight gradient's reduction over tokens in one kernel) without their
+    size thresholds. Those thresholds (at least 4,096 tokens, at least 5 Mi elements) are
+    checked against the token count and guarded on, so each compiled function compiled
+    again for every range of micro-batch sizes it met: on the scaled Qwen3.5-MoE, 3 or 4
+    compiles of each in the first three training steps (2026-12-05 cold run,
+    `bench/results/trainer_steps.md`). Without them the kernel set is the same for every token
+    count. Left as it is where this torch has no such option."""
+    from torch._inductor import config, list_mode_options
+
+    options = dict(list_mode_options("reduce-overhead")) if graphs else {}
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        options["triton.mix_order_reduction_non_strict_mode"] = True
+    return options
+
+
 @functools.cache
 def _compiled(fn: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, dynamic=None, mode="reduce-overhead" if graphs else None)
+    return torch.compile(fn, fullgraph=True, dynamic=None, options=compile_options(graphs))
 
 
 def fused(fn: Callable[..., Any], graphs: bool = False) -> Callable[..., Any]:
