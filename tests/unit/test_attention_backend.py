@@ -84,15 +84,21 @@ def test_flash4_graph_layout_keeps_recorded_graphs_to_a_few_layouts():
             graph_layout(bad)
 
 
-def test_gpu_benches_train_with_the_hopper_default_where_flash4_is_installed():
+def test_gpu_benches_train_with_the_hopper_default_where_flash4_is_installed(capsys):
     """The weight-sync and trainer-steps benches build the trainer from `hardware=h200`, which
-    trains attention with FlashAttention 4: where it is not installed they fall back to sdpa
-    (and say so); the config they load (as they load it) carries the backend they time."""
+    trains attention with FlashAttention 4: where it does not import they fall back to sdpa
+    and say why (the import's own error); the config they load (as they load it) carries the
+    backend they time."""
     from vlmrl.bench.weight_sync import trainer_overrides
     from vlmrl.config import load
     from vlmrl.models import flash4
 
     overrides = trainer_overrides("cuda", "bfloat16")
+    said = capsys.readouterr().err
+    if flash4.installed():
+        assert said == ""
+    else:
+        assert "flash_attn.cute" in said and flash4.missing() in said and "sdpa" in said
     assert ("hardware.lm_attention_backend=sdpa" in overrides) == (not flash4.installed())
     cfg = load(overrides, check_rules=False)
     assert cfg.hardware.lm_attention_backend == ("flash4" if flash4.installed() else "sdpa")

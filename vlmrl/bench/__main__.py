@@ -34,10 +34,11 @@ def main(argv: list[str]) -> int:
         from ..models import flash4
 
         # the attention backend the h100 / h200 configs train with, where it is installed
-        att = "_flash4" if flash4.installed() else ""
+        why = flash4.missing()
+        att = "_flash4" if why is None else ""
         if not att:
-            print("make bench: FlashAttention 4 is not installed (pip install -e '.[gpu]'), so the "
-                  "training benchmarks time the sdpa attention backend", file=sys.stderr)
+            print(f"make bench: {why} (pip install -e '.[gpu]'), so the training benchmarks time the "
+                  "sdpa attention backend", file=sys.stderr)
         dense, moe = f"vlmrl_megatron_fused_graphs{att}", f"vlmrl_qwen35_moe_graphs{att}"
         rc |= train_gpu.main(["--seq", "4096", "--iters", "20", "--warmup", "5",
                               "--variants", f"hf_sdpa,{dense},hf_sdpa,{dense}"])

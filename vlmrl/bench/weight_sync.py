@@ -140,9 +140,9 @@ def trainer_overrides(device: str, dtype: str) -> list[str]:
     if device == "cuda":
         from ..models import flash4
 
-        if not flash4.installed():  # h200 trains attention with it; sdpa needs nothing
-            print("FlashAttention 4 is not installed: the trainer runs hardware.lm_attention_backend=sdpa",
-                  file=sys.stderr)
+        why = flash4.missing()
+        if why is not None:  # h200 trains attention with it; sdpa needs nothing
+            print(f"{why}\nso the trainer runs hardware.lm_attention_backend=sdpa", file=sys.stderr)
             hardware.append("hardware.lm_attention_backend=sdpa")
     return [*hardware, f"hardware.train_dtype={dtype}", "algo.kl_coef=0", "hardware.vision_attn_implementation=sdpa"]
 

@@ -48,11 +48,17 @@ def interface() -> Any:
 
 def installed() -> bool:
     """Whether FlashAttention 4 imports here."""
+    return missing() is None
+
+
+def missing() -> str | None:
+    """Why FlashAttention 4 does not import here (the import error, which names the module or
+    library at fault), or None where it does."""
     try:
         interface()
-    except ImportError:
-        return False
-    return True
+    except ImportError as e:
+        return str(e)
+    return None
 
 
 def _pow2_at_least(n: int) -> int:
