@@ -281,6 +281,10 @@ class SafetensorsDir(Mapping):
                     files.update({k: f for k in st.keys()})
         # checkpoint name -> (file, stored key, index into the stored tensor or None)
         self._where: dict[str, tuple[Path, str, tuple | None]] = {}
+        # each file opened once: opening parses its whole header, so a reopen per tensor costs
+        # time in the square of the tensor count (3.6 s for a 64-expert, 12-layer MoE's experts)
+        self._files: dict[Path, Any] = {}
+        self._fused: tuple[Path, str, Tensor] | None = None  # the last fused tensor read
         for key, f in files.items():
             name = self.family.to_checkpoint_name(key)
             if not self.family.is_fused(name):
@@ -291,13 +295,21 @@ class SafetensorsDir(Mapping):
             for part, index in self.family.fused_parts(name, num):
                 self._where[part] = (f, key, index)
 
-    def __getitem__(self, name: str) -> Tensor:
+    def _file(self, f: Path) -> Any:
         from safetensors import safe_open
 
+        if f not in self._files:
+            self._files[f] = safe_open(f, "pt")
+        return self._files[f]
+
+    def __getitem__(self, name: str) -> Tensor:
         f, key, index = self._where[name]
-        with safe_open(f, "pt") as st:
-            t = st.get_tensor(key)
-        return t if index is None else self.family.take(t, index).clone()
+        if index is None:
+            return self._file(f).get_tensor(key)
+        # a fused tensor's slices are asked for one after another: it is read once for all
+        if self._fused is None or self._fused[:2] != (f, key):
+            self._fused = (f, key, self._file(f).get_tensor(key))
+        return self.family.take(self._fused[2], index).clone()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
