@@ -140,8 +140,9 @@ def to_megatron(model: ModelConfig, rule: Rule, hf: Sequence[Tensor], tp_rank: i
         return _cut(_qkv_gated_fuse(model, *hf), 0, tp_rank, tp_size)
     if rule.kind == "gdn_qkv":
         return _cut(_gdn_group(model, hf[0]), 0, tp_rank, tp_size)
-    if rule.kind == "experts_gate_up":  # (gate_e0, up_e0, gate_e1, up_e1, ...)
-        return torch.stack([torch.cat([hf[i], hf[i + 1]]) for i in range(0, len(hf), 2)])
+    if rule.kind == "experts_gate_up":  # (gate_e0, up_e0, gate_e1, up_e1, ...) -> [E, 2I, H], one copy
+        stacked = torch.stack(list(hf))
+        return stacked.reshape(len(hf) // 2, 2 * stacked.shape[1], *stacked.shape[2:])
     if rule.kind == "experts_down":
         return torch.stack(list(hf))
     raise ValueError(rule.kind)
@@ -311,6 +312,9 @@ class SafetensorsDir(Mapping):
             self._fused = (f, key, self._file(f).get_tensor(key))
         return self.family.take(self._fused[2], index).clone()
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -358,10 +362,9 @@ def load_hf_weights(chunks: Sequence[Any], model: ModelConfig, source: str | Pat
     copied = 0
     for chunk in chunks:
         params = {n: p for n, p in chunk.named_parameters() if not (language_model_only and "visual" in n)}
-        values = hf_to_megatron(model, hf, list(params), tp_rank=tp_rank, tp_size=tp_size,
-                                layer_offset=_chunk_offset(chunk), experts=experts)
-        for n, p in params.items():
-            v = values[n]
+        for n, p in params.items():  # one tensor at a time: the host never holds the whole model
+            v = hf_to_megatron(model, hf, [n], tp_rank=tp_rank, tp_size=tp_size,
+                               layer_offset=_chunk_offset(chunk), experts=experts)[n]
             if v.shape != p.shape:
                 raise ValueError(f"{n}: HF gives shape {tuple(v.shape)}, the model has {tuple(p.shape)}")
             p.copy_(v)
