@@ -173,8 +173,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, params_dtype: t
                           fused_kernels=fused_kernels, gdn_backend=gdn_backend)
         # made, and randomly initialised, where they will run: modules that allocate on the
         # default device (the HF-shaped experts and Gated DeltaNet projections, the HF vision
-        # tower) drew 2.4B host randoms for the scaled Qwen3.5-MoE, about a minute of every
-        # trainer start on a GPU machine
+        # tower) drew 2.4B random numbers on one host core for the scaled Qwen3.5-MoE, then
+        # copied them up: part of a 62.5 s build on the H200 (bench/results/trainer_steps.md)
         with dev:
             chunk = QwenVLModel(config, spec, vocab_size=model.lm.vocab_size,
                                 max_sequence_length=model.lm.max_position_embeddings, rope=rope,
