@@ -202,8 +202,14 @@ def hf_to_megatron(model: ModelConfig, hf: Mapping[str, Tensor], megatron_names:
 
     experts: the routed experts this rank holds (expert parallelism); all when None."""
     hf = canonical(hf, model)
-    return {n: to_megatron(model, r, [_get(hf, h) for h in r.hf], tp_rank, tp_size)
-            for n in megatron_names for r in [rule_for(model, n, layer_offset=layer_offset, experts=experts)]}
+    return {n: _megatron_tensor(model, hf, n, tp_rank, tp_size, layer_offset, experts) for n in megatron_names}
+
+
+def _megatron_tensor(model: ModelConfig, hf: Mapping[str, Tensor], name: str, tp_rank: int, tp_size: int,
+                     layer_offset: int, experts: range | None) -> Tensor:
+    """`hf_to_megatron` for one parameter of a canonical (checkpoint-named) `hf`."""
+    rule = rule_for(model, name, layer_offset=layer_offset, experts=experts)
+    return to_megatron(model, rule, [_get(hf, h) for h in rule.hf], tp_rank, tp_size)
 
 
 def megatron_to_hf(model: ModelConfig, shards: Sequence[Mapping[str, Tensor]], *,
@@ -265,10 +271,10 @@ class SafetensorsDir(Mapping):
     fused ([E, 2I, H] / [E, H, I]) appears as its per-expert slices."""
 
     def __init__(self, path: str | Path, family: str) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         self.family = families.get(family)
+        self._files: dict[Path, Any] = {}  # each file opened once, for its keys and its tensors
+        self._fused: tuple[Path, str, Tensor] | None = None  # the last fused tensor read
         index = self.path / "model.safetensors.index.json"
         if index.exists():
             files = {k: self.path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
@@ -278,20 +284,15 @@ class SafetensorsDir(Mapping):
             if not found:
                 raise FileNotFoundError(f"no safetensors files in {self.path}")
             for f in found:
-                with safe_open(f, "pt") as st:
-                    files.update({k: f for k in st.keys()})
+                files.update({k: f for k in self._file(f).keys()})
         # checkpoint name -> (file, stored key, index into the stored tensor or None)
         self._where: dict[str, tuple[Path, str, tuple | None]] = {}
-        # each file opened once (a reopen per tensor parsed its header again each time)
-        self._files: dict[Path, Any] = {}
-        self._fused: tuple[Path, str, Tensor] | None = None  # the last fused tensor read
         for key, f in files.items():
             name = self.family.to_checkpoint_name(key)
             if not self.family.is_fused(name):
                 self._where[name] = (f, key, None)
                 continue
-            with safe_open(f, "pt") as st:  # a fused tensor: one entry per slice
-                num = st.get_slice(key).get_shape()[0]
+            num = self._file(f).get_slice(key).get_shape()[0]  # a fused tensor: one entry per slice
             for part, index in self.family.fused_parts(name, num):
                 self._where[part] = (f, key, index)
 
@@ -361,9 +362,9 @@ def load_hf_weights(chunks: Sequence[Any], model: ModelConfig, source: str | Pat
     copied = 0
     for chunk in chunks:
         params = {n: p for n, p in chunk.named_parameters() if not (language_model_only and "visual" in n)}
+        offset = _chunk_offset(chunk)
         for n, p in params.items():  # one tensor at a time: the host never holds the whole model
-            v = hf_to_megatron(model, hf, [n], tp_rank=tp_rank, tp_size=tp_size,
-                               layer_offset=_chunk_offset(chunk), experts=experts)[n]
+            v = _megatron_tensor(model, hf, n, tp_rank, tp_size, offset, experts)
             if v.shape != p.shape:
                 raise ValueError(f"{n}: HF gives shape {tuple(v.shape)}, the model has {tuple(p.shape)}")
             p.copy_(v)
