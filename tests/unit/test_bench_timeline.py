@@ -1,9 +1,9 @@
-"""The train-gpu bench's idle accounting (`idle_gaps`), on activity intervals built here, and
-its variant names."""
+"""The train-gpu bench's idle accounting (`idle_gaps`), on activity intervals built here, its
+phase times and its variant names."""
 
 import pytest
 
-from vlmrl.bench.train_gpu import MARKER_KERNEL, idle_gaps, vlmrl_variant_options
+from vlmrl.bench.train_gpu import MARKER_KERNEL, idle_gaps, phase_host_ms, vlmrl_variant_options
 
 
 def test_idle_gaps_counts_overlap_once_and_splits_at_the_marker():
@@ -159,3 +159,14 @@ def test_trainer_steps_names_what_compiled_again():
         assert "Recompiling function scaled" in messages[0] and "n == 2" in messages[0]
     finally:
         torch._logging.set_logs()  # torch's logging as it was (the handler only fills the list)
+
+
+def test_phase_host_ms_keeps_the_host_range_of_each_phase():
+    """A CUDA profile lists each trainer phase twice: its host range, then its span on the GPU
+    with no host time. The host range counts, whatever the order; other ops are left out."""
+    rows = [("vlmrl.forward_backward", 732_506.0), ("aten::mm", 9_000.0), ("vlmrl.optimizer_step", 29_880.0),
+            ("vlmrl.forward_backward", 0.0), ("vlmrl.optimizer_step", 0.0), ("vlmrl.metrics", 0.0),
+            ("vlmrl.metrics", 33_302.0)]
+    assert phase_host_ms(rows, steps=2) == {"vlmrl.forward_backward": pytest.approx(366.253),
+                                             "vlmrl.optimizer_step": pytest.approx(14.94),
+                                             "vlmrl.metrics": pytest.approx(16.651)}

@@ -125,11 +125,40 @@ def test_fast_path_check_refuses_a_wrong_kernel(monkeypatch):
     with pytest.raises(gd.FastPathError, match="output differs"):
         gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16)
 
+    strides = []
+
     def right_rule(q, k, v, g, beta, offsets):
+        strides.append((q.stride(1), k.stride(1)))
         return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds_of(offsets))
 
     monkeypatch.setattr(gd, "fla_gated_delta_rule", right_rule)
     assert gd.check_fast_path(torch.device("cpu"), torch.float32, dk=16, dv=16) == 0.0
+    # q and k come as the model's views: rows grouped by key head, q, k, then the group's
+    # values (2 x 16 + 2 x 16 wide for the default 2 key / 4 value heads), so the compiled
+    # functions the check runs first are not compiled again for the model's strides
+    assert strides == [(64, 64)]
+
+
+def test_flash_qla_tile_counts_reach_every_tile_width():
+    """One layout per tile width FlashQLA's forward picks from its grid (samples x value
+    heads against its share of the SMs), the fewest samples for each: 32 value heads on an
+    H200's 92 of 132 SMs take 32-wide tiles with one sample, 64 with two, 128 from three."""
+    assert [gd.flash_qla_tile(n * 32, 92) for n in (1, 2, 3, 50)] == [32, 64, 128, 128]
+    assert gd.flash_qla_tile_counts(32, 92) == [1, 2, 3]
+    assert gd.flash_qla_tile_counts(16, 92) == [1, 3, 6]  # the heads of a TP2 rank
+    assert gd.flash_qla_tile_counts(64, 92) == [1, 2]  # one sample already fills half the grid
+    assert gd.flash_qla_tile_counts(128, 92) == [1]  # and here all of it
+    for hv in range(1, 130):
+        counts = gd.flash_qla_tile_counts(hv, 92)
+        tiles = [gd.flash_qla_tile(n * hv, 92) for n in counts]
+        assert tiles == sorted(set(tiles))  # one count per width, widths ascending
+        # no width is reached with fewer samples than its count, and every width reachable is
+        reach = {gd.flash_qla_tile(n * hv, 92) for n in range(1, 200)}
+        assert set(tiles) == reach
+        for n, t in zip(counts, tiles):
+            assert all(gd.flash_qla_tile(m * hv, 92) != t for m in range(1, n))
+    with pytest.raises(ValueError, match="value heads"):
+        gd.flash_qla_tile_counts(0, 92)
 
 
 def test_chunk_tiling_built_on_the_host():

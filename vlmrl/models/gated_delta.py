@@ -412,6 +412,45 @@ def check_model_fast_path(lm: Any, device: torch.device, dtype: torch.dtype, spl
 # the layout of the forced-split check: FlashQLA cuts its long sample into pieces of a few
 # chunks that run on separate SMs and joins their states (the path long samples take)
 SPLIT_CHECK_LENS = (37, 1000)
+# the sample length of the tile-width layouts (`flash_qla_tile_counts`): short enough that
+# FlashQLA keeps every sample whole, longer than one chunk
+TILE_CHECK_LEN = 96
+
+
+def flash_qla_tile(grid: int, target_ctas: int) -> int:
+    """The value-column tile width FlashQLA's Hopper forward kernel takes for a grid of `grid`
+    (samples x value heads) thread blocks against `target_ctas` (its share of the SMs): 128 when
+    the grid fills that share, 64 when half of it does, else 32. The kernel is JIT-compiled
+    once per width."""
+    return 128 if grid >= target_ctas else 64 if 2 * grid >= target_ctas else 32
+
+
+def flash_qla_tile_counts(num_v_heads: int, target_ctas: int) -> list[int]:
+    """The fewest whole samples that reach each tile width FlashQLA's forward can take with
+    `num_v_heads` value heads (`flash_qla_tile`), one count per width, ascending.
+
+    A micro-batch of one or two samples takes a narrower tile than the check's layouts of three
+    and more, and so compiled its own kernel in the middle of a run (on the H200 with 32 value
+    heads: 10-11 s at a step of the trainer, 2026-12-05, `bench/results/trainer_steps.md`).
+    Checking one layout per width compiles all of them at the start, into the cache a later
+    process or machine finds."""
+    if num_v_heads < 1 or target_ctas < 1:
+        raise ValueError(f"need value heads and a target grid of at least 1, got {num_v_heads}, {target_ctas}")
+    counts: dict[int, int] = {}
+    for n in (1, -(-target_ctas // (2 * num_v_heads)), -(-target_ctas // num_v_heads)):
+        counts.setdefault(flash_qla_tile(n * num_v_heads, target_ctas), max(n, 1))
+    return sorted(counts.values())
+
+
+def _flash_qla_target_ctas() -> int | None:
+    """FlashQLA's target grid on this GPU (its Hopper forward's share of the SMs), or None
+    where that kernel module does not load here (another architecture or version)."""
+    try:
+        from flash_qla.ops.gated_delta_rule.chunk.hopper import fused_fwd
+    except Exception:  # noqa: BLE001 - any failure to load means: no tile widths to warm
+        return None
+    target = getattr(fused_fwd, "TARGET_NUM_CTAS", None)
+    return int(target) if isinstance(target, int) and target > 0 else None
 
 
 def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv: int = 4, dk: int = 64,
@@ -423,7 +462,14 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
 
     Where FlashQLA runs the recurrence it is checked a second time with its intra-card split
     forced on a longer sample (`SPLIT_CHECK_LENS`): that path has kernels of its own, which
-    would otherwise be compiled, unchecked, at the first long sample of a run."""
+    would otherwise be compiled, unchecked, at the first long sample of a run. It is also
+    checked on one layout per tile width its forward can take (`flash_qla_tile_counts`)
+    that `lens` does not take already: each width is a kernel of its own.
+
+    q, k and v reach the kernels as the model gives them: views of the convolution's output
+    with its rows grouped by key head (q, k, then the value heads of each group), so the
+    compiled functions between see the model's strides and are not compiled a second time
+    at its first step."""
     key = (str(device), dtype, hk, hv, dk, dv, conv_k)
     if key in _CHECKED:
         return _CHECKED[key]
@@ -431,6 +477,13 @@ def check_fast_path(device: torch.device, dtype: torch.dtype, *, hk: int = 2, hv
     if device.type == "cuda" and _flash_qla_backend() is not None:
         worst = max(worst, _check_layout(device, dtype, hk, hv, dk, dv, conv_k, SPLIT_CHECK_LENS, seed,
                                          force_split=True))
+        target = _flash_qla_target_ctas()
+        if target is not None:
+            taken = flash_qla_tile(len(lens) * hv, target)
+            for n in flash_qla_tile_counts(hv, target):
+                if flash_qla_tile(n * hv, target) != taken:
+                    worst = max(worst, _check_layout(device, dtype, hk, hv, dk, dv, conv_k,
+                                                     (TILE_CHECK_LEN,) * n, seed, force_split=False))
     _CHECKED[key] = worst
     return worst
 
@@ -462,8 +515,9 @@ def _check_layout(device: torch.device, dtype: torch.dtype, hk: int, hv: int, dk
         leaves = [(t if fast else t.float()).detach().clone().requires_grad_(True) for t in (x, w, a, b)]
         xx, ww, aa, bb = leaves
         mixed = packed_causal_conv1d(xx, ww, packed) if fast else causal_conv1d(xx, ww, bounds)
-        qk, vv = mixed.split([2 * hk * dk, hv * dv], dim=-1)
-        q, k = qk.reshape(total, 2 * hk, dk).split(hk, dim=1)
+        # the model's layout (`GatedDeltaNet.recurrence`): per key head, its q, its k, then
+        # the values of its group
+        q, k, vv = mixed.view(total, hk, channels // hk).split([dk, dk, hv // hk * dv], dim=-1)
         v = vv.reshape(total, hv, dv)
         g, beta = decay_and_beta(aa, bb, a_log, dt_bias)
         o = (fla_gated_delta_rule(q, k, v, g, beta, packed) if fast
