@@ -28,6 +28,8 @@ def test_trainer_steps_bench_reports_real_steps(tmp_path):
     # CUDA-graph buckets, no CP / SP), and the time to the first step's end from the start
     assert all(s["micro_batches"] >= 1 and s["pad_tokens"] == 0 for s in steps)
     assert all(s["recompiles"] == [] for s in steps)  # nothing compiled (no fused kernels here)
+    assert all(s["kernel_compiles"] == [] for s in steps)  # nor any TileLang kernel (no FlashQLA on a CPU)
+    assert result["quiet_steps"] == [2, 3] and result["quiet_tokens_per_s"] > 0  # the first step never counts
     assert result["steady_pad_fraction"] == 0.0
     assert result["to_first_step_end_s"] == result["init_s"] + steps[0]["seconds"]
     # where the trainer's start went, part by part, within the bench's own clock of it
@@ -42,3 +44,19 @@ def test_trainer_steps_bench_reports_real_steps(tmp_path):
     assert "vlmrl.forward_backward" in by_total and "vlmrl.optimizer_step" in by_total
     step_phases = result["phases_host_ms"]
     assert step_phases["vlmrl.forward_backward"] > 0 and step_phases["vlmrl.optimizer_step"] > 0
+
+
+def test_quiet_steps_leave_out_every_step_that_compiled_or_recorded():
+    """The trainer's rate once its shapes are met: steps after the first in which no Dynamo
+    graph compiled (again or anew), no TileLang kernel compiled and no CUDA graph was recorded."""
+    from vlmrl.bench.trainer_steps import quiet_steps
+
+    def row(step, recompiles=(), kernels=(), graphs=4, compiled=7):
+        return {"step": step, "recompiles": list(recompiles), "kernel_compiles": list(kernels),
+                "cuda_graphs": {"graphs": graphs, "skips": 0}, "graphs_compiled": compiled}
+
+    rows = [row(1, graphs=2, compiled=5), row(2), row(3, kernels=["tilelang_fused_chunk_gdr_fwd_kernel"]),
+            row(4, graphs=6), row(5, recompiles=["kernel_inputs: stride"]), row(6, compiled=8), row(7, compiled=8),
+            row(8, compiled=8)]
+    assert [r["step"] for r in quiet_steps(rows)] == [7, 8]
+    assert [r["step"] for r in quiet_steps(rows[:1])] == []

@@ -79,6 +79,42 @@ def recompile_log() -> list[str] | None:
     return messages
 
 
+# TileLang's log line at the start of each kernel it JIT-compiles (FlashQLA's Gated DeltaNet kernels)
+TILELANG_COMPILE = "begins to compile kernel"
+
+
+def kernel_compile_log() -> list[str]:
+    """From now on, the name of every kernel TileLang compiles (from its log; kernels found in
+    its disk cache are not compiled and not listed). Dynamo's recompile log does not see these,
+    and a compile of one costs 10-20 s of a step on the H200."""
+    import logging
+
+    names: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if TILELANG_COMPILE in message:
+                names.append(message.split("`")[1] if message.count("`") >= 2 else message)
+
+    logging.getLogger("tilelang").addHandler(Keep())  # its module loggers propagate to it
+    return names
+
+
+def quiet_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps in which nothing was compiled or recorded: no Dynamo graph compiled again, no
+    TileLang kernel compiled, no CUDA graph recorded (a step that records graphs for a new token
+    bucket runs its kernels eagerly and records them), no new compiled function. Their rate is the trainer's once a run
+    has met its shapes; the first step always compiles and is left out."""
+    out = []
+    for prev, row in zip(rows, rows[1:]):
+        graphs = (row["cuda_graphs"] or {}).get("graphs"), (prev["cuda_graphs"] or {}).get("graphs")
+        if (not row["recompiles"] and not row["kernel_compiles"] and graphs[0] == graphs[1]
+                and row["graphs_compiled"] == prev["graphs_compiled"]):
+            out.append(row)
+    return out
+
+
 def memory(device: str) -> dict[str, Any]:
     """The caching allocator's figures since the last call: peak allocated, reserved, and its
     retries (a retry frees every cached block and synchronises: a step near the memory limit
@@ -136,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.init(str(ckpt), total_steps=args.steps)
         init_s = time.perf_counter() - t0
         recompiles = recompile_log()  # the steps' recompiles (the start's checks compile first versions)
+        kernel_compiles = kernel_compile_log()
         trainer = worker.trainer
         rng = random.Random(0)
         lo_p, hi_p = (int(v) for v in args.prompt.split(","))
@@ -162,16 +199,19 @@ def main(argv: list[str] | None = None) -> int:
                          # what compiled again in this step, and why (first lines of each message)
                          "recompiles": None if recompiles is None else ["\n".join(m.splitlines()[:3])
                                                                         for m in recompiles],
+                         "kernel_compiles": list(kernel_compiles),  # TileLang's, by kernel name
                          "cuda_graphs": replays, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
                          **mem})
             print(f"step {step:3d}  {sec:7.2f} s  {tokens:6d} tokens  {tokens / sec:9.0f} tok/s  "
                   f"{rows[-1]['micro_batches']} micro-batches, {rows[-1]['pad_tokens']} padding  "
                   f"graphs {rows[-1]['graphs_compiled']}"
                   + (f"  CUDA graphs recorded {replays['graphs']}" if replays else "")
+                  + (f"  TileLang compiled {', '.join(kernel_compiles)}" if kernel_compiles else "")
                   + (f"  peak {mem['peak_allocated_gib']:.1f} GiB, reserved {mem['reserved_gib']:.1f} GiB, "
                      f"allocator retries {mem['alloc_retries']}" if mem else ""), flush=True)
             if recompiles is not None:
                 recompiles.clear()
+            kernel_compiles.clear()
         diagnostics: dict[str, Any] = {}
         if args.profile or args.sync_debug or args.timeline:  # one more batch, stepped once per diagnostic
             from . import train_gpu
@@ -191,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         steady_rows = rows[len(rows) // 2:]
         steady = statistics.median(r["tokens_per_s"] for r in steady_rows)
         warmup = sum(max(r["seconds"] - r["tokens"] / steady, 0.0) for r in rows)
+        quiet = quiet_steps(rows)
         result = {
             "command": "python -m vlmrl.bench.trainer_steps " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -202,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             "steady_step_s": statistics.median(r["seconds"] for r in steady_rows),
             "steady_pad_fraction": sum(r["pad_tokens"] for r in steady_rows)
             / sum(r["tokens"] + r["pad_tokens"] for r in steady_rows),
+            "quiet_steps": [r["step"] for r in quiet],
+            "quiet_tokens_per_s": statistics.median(r["tokens_per_s"] for r in quiet) if quiet else None,
             "samples_per_step": args.samples, "compile_cache": cache,
             **diagnostics,
         }
@@ -212,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{steady:.0f} tok/s ({result['steady_step_s']:.2f} s/step); warm-up cost {warmup:.1f} s over "
               f"{args.steps} steps; first step done {result['to_first_step_end_s']:.1f} s after the trainer's "
               f"start; padding {result['steady_pad_fraction']:.1%} of the steady steps' tokens", flush=True)
+        if quiet:
+            print(f"{args.model}: {result['quiet_tokens_per_s']:.0f} tok/s (median) in the {len(quiet)} steps that "
+                  f"compiled and recorded nothing: {result['quiet_steps']}", flush=True)
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
