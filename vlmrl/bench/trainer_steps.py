@@ -102,10 +102,10 @@ def kernel_compile_log() -> list[str]:
 
 
 def quiet_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The steps in which nothing was compiled or recorded: no Dynamo graph compiled again, no
-    TileLang kernel compiled, no CUDA graph recorded (a step that records graphs for a new token
-    bucket runs its kernels eagerly and records them), no new compiled function. Their rate is the trainer's once a run
-    has met its shapes; the first step always compiles and is left out."""
+    """The steps in which nothing was compiled or recorded: no Dynamo graph compiled, anew or
+    again, no TileLang kernel compiled, no CUDA graph recorded (a step that records graphs for a
+    new token bucket runs its kernels eagerly and records them). Their rate is the trainer's
+    once a run has met its shapes; the first step always compiles and is left out."""
     out = []
     for prev, row in zip(rows, rows[1:]):
         graphs = (row["cuda_graphs"] or {}).get("graphs"), (prev["cuda_graphs"] or {}).get("graphs")
