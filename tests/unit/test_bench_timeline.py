@@ -58,7 +58,15 @@ def test_kernels_are_grouped_by_kind_from_their_names():
         "void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel":
             "gather / scatter / sort (MoE dispatch and combine, embedding)",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::x>":
-            "multi-tensor (optimizer, grad accumulation)",
+            "multi-tensor (optimizer: Adam, grad norm and scale)",
+        # Megatron's per-parameter main_grad.add_(grad): float32 += bf16 (H200, 2026-12-05)
+        "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, "
+        "4, TrivialOffsetCalculator<2, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+        "at::native::memory::LoadWithCast<2>, at::native::memory::StoreWithCast<1> >":
+            "gradient accumulation (bf16 into fp32 main grads)",
+        # a float32 add without the cast is not an accumulation of gradients
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >":
+            "other eager elementwise / reductions",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
         "TensorListMetadata<2>, at::native::(anonymous namespace)::UnaryOpFunctor<c10::BFloat16, 2, 1, 1>, "
         "at::native::Copy<c10::BFloat16, c10::BFloat16> >": "foreach copies (CUDA graph inputs)",

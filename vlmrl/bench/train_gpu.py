@@ -226,7 +226,8 @@ def idle_gaps(kernels: list[tuple[float, float, str]], marker: str | None = None
     return out
 
 
-# (kind, substrings of a GPU kernel's name, any of them, case-insensitive), first match wins
+# (kind, patterns of a GPU kernel's name, any of them, case-insensitive), first match wins; a
+# pattern is a substring, or a tuple of substrings that must all be in the name
 KERNEL_KINDS = (
     ("grouped GEMM", ("grouped", "enable_3x_kernel_for_sm9x")),  # torch's grouped mm (CUTLASS 3)
     ("GEMM", ("nvjet", "gemm")),
@@ -242,7 +243,10 @@ KERNEL_KINDS = (
     # torch's foreach copy: in a bench step (no optimizer), the CUDA graph trees copying each
     # replay's inputs that no earlier graph produced into the graph's own buffers
     ("foreach copies (CUDA graph inputs)", ("native::copy<",)),
-    ("multi-tensor (optimizer, grad accumulation)", ("multi_tensor",)),
+    # Megatron's DDP adds each micro-batch's bf16 gradient into the float32 main gradient, one
+    # eager add per parameter: torch's casting (unrolled, not vectorised) elementwise kernel
+    ("gradient accumulation (bf16 into fp32 main grads)", (("cudafunctor_add<float>", "loadwithcast"),)),
+    ("multi-tensor (optimizer: Adam, grad norm and scale)", ("multi_tensor",)),
     ("copies and fills", ("memcpy", "memset", "copy_kernel", "fillfunctor")),
     ("other compiled (Inductor)", ("triton_",)),
     ("other eager elementwise / reductions", ("elementwise", "reduce_kernel")),
@@ -253,7 +257,11 @@ def kernel_kind(name: str) -> str:
     """The `KERNEL_KINDS` kind of a GPU kernel's name ("other" when none matches): a rough
     grouping by name, enough to say where a step's GPU time goes."""
     low = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+    def hit(pattern: str | tuple[str, ...]) -> bool:
+        return all(p in low for p in pattern) if isinstance(pattern, tuple) else pattern in low
+
+    return next((kind for kind, keys in KERNEL_KINDS if any(hit(k) for k in keys)), "other")
 
 
 def kernel_time_by_kind(kernels: list[tuple[float, float, str]]) -> dict[str, float]:

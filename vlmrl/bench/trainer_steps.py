@@ -227,7 +227,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.sync_debug and args.device == "cuda":
                 diagnostics["sync_points"] = train_gpu.sync_points(step, "trainer step")
             if args.timeline and args.device == "cuda":
-                diagnostics["timeline"] = train_gpu.gpu_timeline(step, "trainer-step", Path(args.out))
+                traced = diagnostics["timeline"] = train_gpu.gpu_timeline(step, "trainer-step", Path(args.out))
+                # the same batch once more without the profiler, whose host cost stretches the
+                # traced step: the GPU's busy time against the step's own
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                plain = time.perf_counter() - t
+                diagnostics["timeline_batch"] = {
+                    "tokens": sum(s.num_tokens for s in extra), "step_s": plain,
+                    "gpu_busy_fraction": traced["busy_us"] / 1e6 / plain}
+                print(f"the traced batch without the profiler: {plain * 1e3:.1f} ms; the GPU was busy "
+                      f"{traced['busy_us'] / 1e3:.1f} ms of it ({traced['busy_us'] / 1e6 / plain:.0%})", flush=True)
         steady_rows = rows[len(rows) // 2:]
         steady = statistics.median(r["tokens_per_s"] for r in steady_rows)
         warmup = sum(max(r["seconds"] - r["tokens"] / steady, 0.0) for r in rows)
