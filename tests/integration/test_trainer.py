@@ -90,12 +90,16 @@ def _sft_grad_norms(rank: int, world: int, cfgs: dict, path: str, bucket: bool =
 
 def test_step_gradient_is_the_per_token_mean(family_checkpoint):
     """Both families; Qwen3.5's micro-batch padded to its CUDA-graph bucket, which must change
-    nothing (its padding runs through Gated DeltaNet, gated attention and the MoE router)."""
+    nothing (its padding runs through Gated DeltaNet, gated attention and the MoE router).
+    Again with `hardware.fused_grad_accumulation`: its DDP hook, here on the CPU where torch's
+    add does the sum, still hands every gradient to Megatron's main gradients."""
     cfg, path = family_checkpoint
     bucket = "linear_attention" in cfg.model.lm.layer_types
-    res = spawn_local(_sft_grad_norms, 1, {"single": cfg}, path, bucket)[0]
-    megatron_norm, hf_norm = res["single"][0], res["hf"]
-    assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (megatron_norm, hf_norm)
+    fused = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, fused_grad_accumulation=True))
+    res = spawn_local(_sft_grad_norms, 1, {"single": cfg, "fused accumulation": fused}, path, bucket)[0]
+    hf_norm = res["hf"]
+    for name in ("single", "fused accumulation"):
+        assert abs(res[name][0] - hf_norm) <= 1e-4 * hf_norm, (name, res[name][0], hf_norm)
 
 
 def _reply_logprobs(rank: int, world: int, cfg, path: str) -> dict:

@@ -6,6 +6,9 @@
   (block of channels, warps) in `--blocks`;
 - the loss's log-softmax (`logprobs.fused_log_softmax_pick`, no entropy), forward and
   backward over 4,096 x 248,320 bf16 logits: the Triton kernels against Inductor's form;
+- the gradient accumulation of one micro-batch (float32 main gradients += bf16 gradients) over
+  the scaled MoE's largest tensors: torch's add (Megatron's hook) against
+  `grad_accumulation.accumulate` (`hardware.fused_grad_accumulation`);
 - the router GEMM of the compiled MoE block (`moe.router_logits`: bf16 tensor-core GEMMs
   with float32 results) against Megatron's float32 GEMM of the upcast inputs, forward and
   backward, tokens x hidden 2048 x 64 experts.
@@ -153,6 +156,46 @@ def router_rows(tokens: int, hidden: int, experts: int, iters: int, warmup: int)
     return rows
 
 
+# the scaled Qwen3.5-MoE's largest trained tensors (elements): embedding and output layer
+# (248,320 x 2,048), then per layer the experts' fused gate / up (64 x 1,024 x 2,048) and down
+# (64 x 2,048 x 512) weights, for its 8 layers: 2.6 of its 2.9B parameters
+ACCUMULATION_SIZES = (248320 * 2048,) * 2 + (64 * 1024 * 2048, 64 * 2048 * 512) * 8
+
+
+def accumulation_rows(iters: int, warmup: int, sizes: tuple[int, ...] = ACCUMULATION_SIZES) -> list[dict[str, Any]]:
+    """One micro-batch's gradient accumulation over `sizes`: torch's `main_grad.add_(grad)` per
+    tensor (Megatron's hook) against `grad_accumulation.accumulate`, float32 += bf16, with the
+    bandwidth each reaches (10 bytes moved per element: read 4 + 2, write 4)."""
+    from ..training.grad_accumulation import accumulate
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mains = [torch.zeros(n, device="cuda") for n in sizes]
+    grads = [torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) for n in sizes]
+    ref = [m.clone().add_(g) for m, g in zip(mains, grads)]
+    check = [m.clone() for m in mains]
+    for m, g in zip(check, grads):
+        assert accumulate(m, g)
+    exact = all(torch.equal(a, b) for a, b in zip(check, ref))
+    del ref, check
+
+    def torch_add() -> None:
+        for m, g in zip(mains, grads):
+            m.add_(g)
+
+    def fused() -> None:
+        for m, g in zip(mains, grads):
+            accumulate(m, g)
+
+    moved = 10 * sum(sizes)  # bytes: read 4 + 2, write 4 per element
+    rows = []
+    for name, fn in (("torch add_ (Megatron's hook)", torch_add), ("vectorised Triton kernel", fused)):
+        wall, gpu = _time(fn, iters, warmup), _gpu_time(fn, iters)
+        rows.append({"kernel": "gradient accumulation", "variant": name, "tensors": len(sizes),
+                     "elements": sum(sizes), "ms": wall * 1e3, "gpu_ms": gpu * 1e3,
+                     "tb_per_s": moved / gpu / 1e12, "same_bits_as_torch": exact})
+    return rows
+
+
 def loss_rows(tokens: int, vocab: int, iters: int, warmup: int) -> list[dict[str, Any]]:
     from ..training import logprob_kernels, logprobs
 
@@ -192,15 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", default="16x4,32x4,64x4,64x8", help="BDxWARPS of the short convolution")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--kernels", default="conv,router,loss,accumulation", help="which kernels to time")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args(argv)
+    kernels = set(args.kernels.split(","))
+    if kernels - {"conv", "router", "loss", "accumulation"}:
+        ap.error(f"--kernels: unknown {sorted(kernels - {'conv', 'router', 'loss', 'accumulation'})}")
     if not torch.cuda.is_available():
         print("kernels_gpu needs CUDA", file=sys.stderr)
         return 2
     blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
-    rows = conv_rows(args.tokens, args.samples, args.channels, blocks, args.iters, args.warmup)
-    rows += router_rows(args.tokens, 2048, 64, args.iters, args.warmup)
-    rows += loss_rows(args.tokens, 248320, min(args.iters, 20), 3)
+    rows = conv_rows(args.tokens, args.samples, args.channels, blocks, args.iters, args.warmup) \
+        if "conv" in kernels else []
+    if "router" in kernels:
+        rows += router_rows(args.tokens, 2048, 64, args.iters, args.warmup)
+    if "loss" in kernels:
+        rows += loss_rows(args.tokens, 248320, min(args.iters, 20), 3)
+    if "accumulation" in kernels:
+        rows += accumulation_rows(min(args.iters, 20), 3)
     for r in rows:
         print(json.dumps(r), flush=True)
     result = {"command": "python -m vlmrl.bench.kernels_gpu " + " ".join(sys.argv[1:] if argv is None else argv),

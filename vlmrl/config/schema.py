@@ -199,6 +199,11 @@ class HardwareConfig(Sealable):
     # bounded number of graphs. Needs fused_kernels on a GPU; the trainer keeps it off where
     # it cannot hold or does nothing (pipeline / tensor parallel, activation recompute) and says so.
     cuda_graphs: bool = False
+    # Add each micro-batch's bf16 gradients into Megatron's float32 main gradients with one
+    # vectorised Triton kernel per parameter instead of torch's casting add (the same sums,
+    # bit for bit; `vlmrl.training.grad_accumulation`). CUDA only: elsewhere torch's add runs.
+    # Off until measured on a GPU.
+    fused_grad_accumulation: bool = False
     # where every process of a run keeps the kernels its compilers build (Inductor, Triton,
     # TileLang's FlashQLA kernels, FlashAttention 4's CuTe DSL kernels, whose disk cache is off
     # unless asked for): a later run, on this node or any node sharing the path, loads them

@@ -430,13 +430,16 @@ class MegatronTrainer:
         return out
 
     def _wrap_ddp(self, chunks: list[Any]) -> list[Any]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallelConfig
 
+        from .grad_accumulation import ddp_class
+
+        ddp = ddp_class(self.cfg.hardware.fused_grad_accumulation)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=self.distributed_optimizer, check_for_nan_in_grad=False)
-        return [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
-                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+        return [ddp(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
+                for i, c in enumerate(chunks)]
 
     @property
     def distributed_optimizer(self) -> bool:
