@@ -60,3 +60,19 @@ def test_quiet_steps_leave_out_every_step_that_compiled_or_recorded():
             row(8, compiled=8)]
     assert [r["step"] for r in quiet_steps(rows)] == [7, 8]
     assert [r["step"] for r in quiet_steps(rows[:1])] == []
+
+
+def test_kernel_compile_log_names_the_kernels_tilelang_compiles():
+    """TileLang logs the start of each JIT compile under its `tilelang.jit.kernel` logger (its
+    line, as the H200 logs show it): the bench keeps the kernel's name, and nothing else."""
+    import logging
+
+    from vlmrl.bench.trainer_steps import kernel_compile_log
+
+    names = kernel_compile_log()
+    log = logging.getLogger("tilelang.jit.kernel")
+    log.setLevel(logging.INFO)
+    log.info("TileLang begins to compile kernel `tilelang_fused_chunk_gdr_fwd_kernel` with `out_idx=None`")
+    log.info("TileLang completes to compile kernel `tilelang_fused_chunk_gdr_fwd_kernel`")
+    logging.getLogger("somebody.else").warning("TileLang begins to compile kernel `not_tilelangs`")
+    assert names == ["tilelang_fused_chunk_gdr_fwd_kernel"]

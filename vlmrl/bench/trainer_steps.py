@@ -53,6 +53,24 @@ def batch(rng: random.Random, n: int, vocab: tuple[int, int], prompt: tuple[int,
     return out
 
 
+def _log_sink(loggers: list[str], pick: Any) -> list[str]:
+    """A list that fills, from now on, with `pick(message)` of every record the named loggers
+    emit (records for which `pick` gives None are left out)."""
+    import logging
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            item = pick(record.getMessage())
+            if item is not None:
+                kept.append(item)
+
+    for name in loggers:
+        logging.getLogger(name).addHandler(Keep())
+    return kept
+
+
 def recompile_log() -> list[str] | None:
     """From now on, every message Dynamo logs when a compiled function compiles again: which
     function, and the guard that failed (a shape it had specialised on, an int that changed).
@@ -64,19 +82,11 @@ def recompile_log() -> list[str] | None:
     import torch._dynamo  # noqa: F401  (its modules create the artifact loggers)
 
     torch._logging.set_logs(recompiles=True)
-    messages: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
     names = [n for n in logging.root.manager.loggerDict if n.endswith(".__recompiles")]
     if not names:
         print("torch has no `recompiles` log here: the steps will not say what compiled again", file=sys.stderr)
         return None
-    for name in names:
-        logging.getLogger(name).addHandler(Keep())
-    return messages
+    return _log_sink(names, lambda message: message)
 
 
 # TileLang's log line at the start of each kernel it JIT-compiles (FlashQLA's Gated DeltaNet kernels)
@@ -87,18 +97,13 @@ def kernel_compile_log() -> list[str]:
     """From now on, the name of every kernel TileLang compiles (from its log; kernels found in
     its disk cache are not compiled and not listed). Dynamo's recompile log does not see these,
     and a compile of one costs 10-20 s of a step on the H200."""
-    import logging
 
-    names: list[str] = []
+    def kernel_name(message: str) -> str | None:
+        if TILELANG_COMPILE not in message:
+            return None
+        return message.split("`")[1] if message.count("`") >= 2 else message
 
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if TILELANG_COMPILE in message:
-                names.append(message.split("`")[1] if message.count("`") >= 2 else message)
-
-    logging.getLogger("tilelang").addHandler(Keep())  # its module loggers propagate to it
-    return names
+    return _log_sink(["tilelang"], kernel_name)  # its module loggers propagate to "tilelang"
 
 
 def quiet_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
