@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -71,12 +70,6 @@ def sglang_overrides(run_dir: str, cache_dir: str) -> list[str]:
             *_dict_overrides("rollout.sglang.server_args", server_args)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory, cache_dir):
     """Ray with the run's placement group, one SGLang engine in its bundle (0.3 of the GPU),
@@ -108,7 +101,7 @@ def rig(tmp_path_factory, cache_dir):
                                                     colocate=True, data=cfg.data, api_key=key,
                                                     return_routed_experts=returns_routed_experts(cfg)))
         print(f"sglang {engines.version} healthy after {time.perf_counter() - t0:.1f} s")
-        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
+        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", None)
         worker.init(path, 4)
         d = cfg.data
         processor = load_processor(path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)

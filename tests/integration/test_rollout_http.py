@@ -232,7 +232,8 @@ from safetensors.torch import load_file
 from vlmrl.rollout.client import HTTPEngine
 from vlmrl.rollout.weights import init_weights_update_group_all, update_weights_distributed
 
-url, port, path, flattened = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+url, path, flattened = sys.argv[1], sys.argv[3], sys.argv[4] == "1"
+port = int(sys.argv[2]) or None  # 0: rank 0 serves the rendezvous on a port the OS gives it
 named = sorted(load_file(path).items())
 
 async def main():
@@ -265,7 +266,8 @@ def test_weight_update_from_distributed_over_gloo(engine, server, tiny_checkpoin
                           sampling=SamplingParams(temperature=0.0, max_new_tokens=6))
     before = engine.generate_sync([req])[0]
     try:
-        proc = subprocess.run([sys.executable, "-c", _TRAINER, server.url, str(_free_port()),
+        # the flattened run also takes the trainer-served rendezvous, the other a given port
+        proc = subprocess.run([sys.executable, "-c", _TRAINER, server.url, "0" if flattened else str(_free_port()),
                                str(new_dir / "model.safetensors"), "1" if flattened else "0"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "trainer done" in proc.stdout, proc.stdout + proc.stderr

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ..cluster.placement import create_placement, free_port
+    from ..cluster.placement import create_placement
     from ..cluster.ray_cluster import ray_cluster
     from ..cluster.trainer_group import TrainerWorker
     from ..cluster.weight_transport import ColocatedTransport
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         result["startup_s"] = time.perf_counter() - t0
         client = engines.engines[0]
         try:
-            worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", free_port())
+            worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", None)
             worker.init(path, 1)
             trainer = worker.trainer
             params = [p for c in trainer.chunks for p in c.parameters()]

@@ -162,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch._dynamo.utils
 
-    from ..cluster.placement import free_port
     from ..cluster.trainer_group import TrainerWorker
     from ..config import load
     from ..models.kernels import cuda_graph_stats
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt, overrides = write_checkpoint(args.model, tmp / "ckpt", dtype)
         cfg = load([*overrides, *trainer_overrides(args.device, dtype), *args.set], check_rules=False)
-        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", free_port())
+        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", None)
         t0 = time.perf_counter()
         worker.init(str(ckpt), total_steps=args.steps)
         init_s = time.perf_counter() - t0

@@ -222,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ..cluster.placement import free_port
     from ..cluster.trainer_group import TrainerWorker
     from ..config import load
     from ..training.batch import TrainSample
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rollout.embedded.serve_http=true",
                     *([f"hardware.gdn_backend={args.gdn_backend}"] if args.gdn_backend else []), *args.set],
                    check_rules=False)
-        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", free_port())
+        worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", None)
         worker.init(str(ckpt), total_steps=1)
         trainer = worker.trainer
 

@@ -8,7 +8,6 @@ engines' bundles follow the trainer's. CPU: one {CPU: cpus_per_actor} bundle per
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +49,6 @@ def create_placement(cfg: VlmrlConfig, layout: Layout, *, timeout_s: float = 600
     group = placement_group(spec, strategy="PACK", name="")
     ray.get(group.ready(), timeout=timeout_s)
     return Placement(group, trainer, engines, layout)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for a rendezvous or a broadcast group)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def available_cores() -> int:

@@ -19,7 +19,8 @@ from typing import Any
 from ..config.layout import Layout, compute_layout
 from ..config.schema import VlmrlConfig
 from ..training.batch import TrainSample, split_by_tokens
-from .placement import Placement, free_port
+from ..training.parallel_state import host_store
+from .placement import Placement
 
 
 class TrainerWorker:
@@ -29,13 +30,22 @@ class TrainerWorker:
     # they are; True copies each into storage of its own first, as other formats need
     compact_views = False
 
-    def __init__(self, cfg: VlmrlConfig, rank: int, world_size: int, master_addr: str, master_port: int,
+    def __init__(self, cfg: VlmrlConfig, rank: int, world_size: int, master_addr: str, master_port: int | None,
                  layout: Layout | None = None) -> None:
+        """`master_port` is the port of the store the launcher serves (`host_store`); None
+        for a rank that is the whole world and serves its own."""
         from ..logging.console import quiet_from_env
+        from ..training.parallel_state import LAUNCHER_STORE
 
         quiet_from_env()
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
-                          MASTER_PORT=str(master_port), LOCAL_RANK="0")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, LOCAL_RANK="0")
+        if master_port is None:
+            if world_size != 1:
+                raise ValueError(f"rank {rank} of {world_size} needs the launcher's store port")
+            os.environ.pop("MASTER_PORT", None)
+            os.environ.pop(LAUNCHER_STORE, None)
+        else:
+            os.environ.update(MASTER_PORT=str(master_port), **{LAUNCHER_STORE: "1"})
         self.cfg = cfg
         self.layout = layout or compute_layout(cfg)  # the run's, where the group passes it
         self._transport: Any = None  # vlmrl.cluster.weight_transport, made at the first sync over HTTP
@@ -184,14 +194,12 @@ class TrainerGroup:
             return dict(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=gpus,
                         scheduling_strategy=placement.strategy(placement.trainer_bundles[rank]))
 
-        port = free_port()
-        first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, "127.0.0.1", port, layout)
-        addr = ray.get(first.node_ip.remote()) if cfg.cluster.num_nodes > 1 else "127.0.0.1"
-        if addr != "127.0.0.1":
-            ray.kill(first)
-            first = cls.options(**opts(0)).remote(cfg, 0, self.world_size, addr, port, layout)
-        self.workers = [first] + [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, port, layout)
-                                  for r in range(1, self.world_size)]
+        # the ranks' rendezvous: served by the driver for as long as the group lives (Megatron
+        # creates its groups through it), on a port the OS gave it, so no rank races for one
+        self._store = host_store()
+        addr = ray.util.get_node_ip_address() if cfg.cluster.num_nodes > 1 else "127.0.0.1"
+        self.workers = [cls.options(**opts(r)).remote(cfg, r, self.world_size, addr, self._store.port, layout)
+                        for r in range(self.world_size)]
         self._pending: list[Any] | None = [w.init.remote(model_path, total_steps) for w in self.workers]
         self._ranks: list[dict[str, int]] = []
         # every call is collective: callers on two threads (an async rollout restarting an

@@ -38,7 +38,6 @@ from ..config.schema import VlmrlConfig
 from ..rollout import sglang_plugin
 from ..rollout import weights as wt
 from ..rollout.client import HTTPEngine
-from .placement import free_port
 
 Bucket = list[tuple[str, Any]]  # (HF name, tensor)
 
@@ -226,7 +225,7 @@ class BroadcastTransport(WeightTransport):
         self.group: Any = None
         if rank == 0:
             self.group = self.loop.run_until_complete(wt.init_weights_update_group_all(
-                self.engines, host, free_port(), backend=cfg.hardware.dist_backend))
+                self.engines, host, backend=cfg.hardware.dist_backend))
 
     def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
         if self.rank == 0:

@@ -405,18 +405,29 @@ def order_for_flattening(bucket: Sequence[tuple[str, Any]]) -> list[tuple[str, A
     return sorted(bucket, key=lambda nt: -nt[1].element_size())
 
 
+def serve_update_store(timeout_s: float = 600.0) -> Any:
+    """The weight group's rendezvous store, served by trainer rank 0 on a port the OS picks
+    (`.port`) before any engine is told it: no other process can take the port in between."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def _new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-               backend: str, timeout_s: float) -> Any:
+               backend: str, timeout_s: float, store: Any = None) -> Any:
     """A process group outside torch's default group, rendezvousing over TCP exactly like
-    SGLang's `init_weights_update_group` (tcp:// store, keys prefixed by the group name)."""
+    SGLang's `init_weights_update_group` (tcp:// store, keys prefixed by the group name).
+    `store`: one this process already serves at `master_port` (`serve_update_store`)."""
     import inspect
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    if store is None:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
@@ -429,10 +440,11 @@ def _new_group(master_address: str, master_port: int, rank: int, world_size: int
 
 def init_update_group(master_address: str, master_port: int, world_size: int, *,
                       group_name: str = "weight_update_group", backend: str = "nccl",
-                      timeout_s: float = 600.0) -> Any:
+                      timeout_s: float = 600.0, store: Any = None) -> Any:
     """Trainer side (rank 0) of the weight broadcast group; blocks until every engine rank
-    has joined (run it while the engines' /init_weights_update_group calls are pending)."""
-    return _new_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+    has joined (run it while the engines' /init_weights_update_group calls are pending).
+    `store`: the one `serve_update_store` opened at `master_port`, else rank 0 serves one."""
+    return _new_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s, store)
 
 
 def join_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
@@ -489,12 +501,17 @@ def destroy_update_group(group: Any) -> None:
         pass
 
 
-async def init_weights_update_group_all(engines: Sequence[Any], master_address: str, master_port: int, *,
-                                        tp_sizes: Sequence[int] | None = None,
+async def init_weights_update_group_all(engines: Sequence[Any], master_address: str, master_port: int | None = None,
+                                        *, tp_sizes: Sequence[int] | None = None,
                                         group_name: str = "weight_update_group", backend: str = "nccl",
                                         timeout_s: float = 600.0) -> Any:
     """Trainer rank 0 + every engine's ranks in one group: engine i gets rank offset
-    1 + sum(tp of engines before it). Returns the trainer's group handle."""
+    1 + sum(tp of engines before it). Returns the trainer's group handle. With no
+    `master_port`, rank 0 serves the rendezvous on a port the OS gives it."""
+    store = None
+    if master_port is None:
+        store = serve_update_store(timeout_s)
+        master_port = store.port
     tp_sizes = list(tp_sizes or [getattr(e, "tp_size", 1) for e in engines])
     world = 1 + sum(tp_sizes)
     offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
@@ -502,7 +519,7 @@ async def init_weights_update_group_all(engines: Sequence[Any], master_address: 
                                                                group_name=group_name, backend=backend))
              for e, off in zip(engines, offsets)]
     group = await asyncio.to_thread(init_update_group, master_address, master_port, world, group_name=group_name,
-                                    backend=backend, timeout_s=timeout_s)
+                                    backend=backend, timeout_s=timeout_s, store=store)
     await asyncio.gather(*calls)
     return group
 

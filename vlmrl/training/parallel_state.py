@@ -7,15 +7,18 @@ CPU shims of `compat` when CUDA is absent, creates Megatron's groups in its defa
 `destroy_parallel_state` tears the Megatron groups down so one process can switch layouts
 (tests run several layouts in the same processes).
 
-`spawn_local` runs a function in N local processes with a fresh free port: the CPU
-multi-process path of the parity CLI and the integration tests.
+`spawn_local` runs a function in N local processes: the CPU multi-process path of the
+parity CLI and the integration tests. Where vlmrl launches the ranks itself (`spawn_local`,
+the Ray trainer group), the launcher hosts the rendezvous store (`host_store`) on a port the
+OS assigns while it listens, and every rank joins as a client (`LAUNCHER_STORE`). A port
+picked free, released and bound again by rank 0 can be taken in between by any outgoing
+connection, which failed a CI run with EADDRINUSE.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,23 +52,47 @@ class ParallelInfo:
     vpp_size: int | None
 
 
+# set to "1" in a rank's environment when its launcher hosts the store at MASTER_ADDR:MASTER_PORT
+LAUNCHER_STORE = "VLMRL_LAUNCHER_STORE"
+
+
+def host_store(timeout_s: float = 600.0) -> dist.TCPStore:
+    """A rendezvous store served by this process on a port the OS picks (`.port`).
+
+    Keep it referenced while the ranks live: Megatron creates its groups through it."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def init_distributed(backend: str | None = None, *, rank: int | None = None, world_size: int | None = None,
                      timeout_s: float = 600.0) -> None:
-    """Start the default process group if it is not running (env:// rendezvous)."""
+    """Start the default process group if it is not running.
+
+    The rendezvous is env:// (rank 0 serves the store at MASTER_PORT), or, with
+    `LAUNCHER_STORE` set, the store the launcher serves there."""
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if compat.cuda_available() else "gloo")
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if world_size != 1:
-            raise RuntimeError("MASTER_PORT is not set for a multi-process run")
-        os.environ["MASTER_PORT"] = str(free_port())
+    timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store: dist.Store | None = None
+    if os.environ.get(LAUNCHER_STORE) == "1":
+        if "MASTER_PORT" not in os.environ:
+            raise RuntimeError(f"{LAUNCHER_STORE}=1 but MASTER_PORT is not set")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+    elif "MASTER_PORT" not in os.environ:
+        if world_size != 1:
+            raise RuntimeError("MASTER_PORT is not set for a multi-process run")
+        # one process: it serves its own store, on a port the OS picks while it listens
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        os.environ["MASTER_PORT"] = str(store.port)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
 
 
 def init_parallel_state(parallel: ParallelConfig, *, backend: str | None = None, seed: int = 1234,
@@ -130,16 +157,10 @@ def destroy_parallel_state(*, process_group: bool = False) -> None:
 
 
 # --------------------------------------------------------------------------- local spawn
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
                  queue: Any, backend: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{LAUNCHER_STORE: "1"})
     try:
         torch.set_num_threads(1)
         if backend == "gloo":
@@ -172,8 +193,9 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue, backend), daemon=False)
+    store = host_store(timeout_s)  # served here until every rank has returned
+    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, store.port, fn, args, queue, backend),
+                         daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
