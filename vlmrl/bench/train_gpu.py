@@ -757,7 +757,6 @@ def main(argv: list[str] | None = None) -> int:
 
     cache = compile_cache(args.compile_cache)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29555")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     torch.manual_seed(0)
