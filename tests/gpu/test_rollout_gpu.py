@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +15,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(proc, text: str, n_images: int) -> str:
@@ -153,14 +146,16 @@ for flat in (False, True):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_nccl_update_group_broadcast(tmp_path):
-    from vlmrl.rollout.weights import broadcast_bucket, init_update_group, order_for_flattening
+    from vlmrl.rollout.weights import broadcast_bucket, init_update_group, order_for_flattening, serve_update_store
 
-    port = _free_port()
+    store = serve_update_store(120)  # rank 0 serves the rendezvous before the receiver hears its port
+    port = store.port
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     torch.cuda.set_device(0)
-    group = init_update_group("127.0.0.1", port, 2, group_name="vlmrl-gpu-test", backend="nccl", timeout_s=120)
+    group = init_update_group("127.0.0.1", port, 2, group_name="vlmrl-gpu-test", backend="nccl", timeout_s=120,
+                              store=store)
     bucket = [("a", torch.arange(12, dtype=torch.float32, device="cuda").view(3, 4)),
               ("b", torch.full((5,), 3.0, dtype=torch.bfloat16, device="cuda"))]
     broadcast_bucket(group, bucket)

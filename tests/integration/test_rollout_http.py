@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import string
@@ -329,14 +330,13 @@ def test_control_endpoints(engine, server):
 def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, engine, tmp_path):
     """`python -m vlmrl.rollout.serve` with a key file: callers without the key get 401 (the
     liveness probe excepted), callers with it are served."""
-    port = _free_port()
     d = tiny_config.data
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     from vlmrl.rollout.auth import KEY_FILE, bearer, run_key
 
     key = run_key(tmp_path)
     auth = bearer(key)
-    cmd = [sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", str(port),
+    cmd = [sys.executable, "-m", "vlmrl.rollout.serve", "--model", tiny_checkpoint, "--port", "0",
            "--min-pixels", str(d.min_pixels), "--max-pixels", str(d.max_pixels), "--sglang-version", VERSIONS[0],
            "--api-key-file", str(tmp_path / KEY_FILE)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
@@ -353,6 +353,7 @@ def test_serve_module_answers_generate_with_image(tiny_checkpoint, tiny_config, 
                 break
         assert any("listening on" in x for x in lines), "".join(lines)
         assert f"(SGLang {VERSIONS[0]} protocol)" in lines[-1] and key not in "".join(lines)
+        port = int(re.search(r"listening on http://127\.0\.0\.1:(\d+)", lines[-1]).group(1))  # its OS-given port
         assert _get(f"http://127.0.0.1:{port}/server_info")[0] == 401
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 200
         assert _get(f"http://127.0.0.1:{port}/server_info", headers=auth)[1]["version"] == VERSIONS[0]
