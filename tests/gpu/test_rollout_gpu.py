@@ -146,7 +146,12 @@ for flat in (False, True):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_nccl_update_group_broadcast(tmp_path):
-    from vlmrl.rollout.weights import broadcast_bucket, init_update_group, order_for_flattening, serve_update_store
+    from vlmrl.rollout.weights import (
+        broadcast_bucket,
+        init_update_group,
+        order_for_flattening,
+        serve_update_store,
+    )
 
     store = serve_update_store(120)  # rank 0 serves the rendezvous before the receiver hears its port
     port = store.port
