@@ -361,4 +361,5 @@ class TrainerGroup:
 
         for w in self.workers:
             ray.kill(w)
+        self._store = None  # the rendezvous closes with its last rank
 
