@@ -267,8 +267,8 @@ def test_weight_update_from_distributed_over_gloo(engine, server, tiny_checkpoin
                           sampling=SamplingParams(temperature=0.0, max_new_tokens=6))
     before = engine.generate_sync([req])[0]
     try:
-        # the flattened run also takes the trainer-served rendezvous, the other a given port
-        proc = subprocess.run([sys.executable, "-c", _TRAINER, server.url, "0" if flattened else str(_free_port()),
+        # "0": trainer rank 0 serves the rendezvous on a port the OS gives it, as the run does
+        proc = subprocess.run([sys.executable, "-c", _TRAINER, server.url, "0",
                                str(new_dir / "model.safetensors"), "1" if flattened else "0"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "trainer done" in proc.stdout, proc.stdout + proc.stderr
