@@ -1,4 +1,4 @@
-"""Run a function in N local gloo processes (spawned, on a free port) and collect results.
+"""Run a function in N local gloo processes (spawned; this one serves their rendezvous), collect results.
 
 A thin test-side wrapper over `vlmrl.training.parallel_state.spawn_local` (the same helper
 the parity CLI uses): `fn(rank, world_size, *args)` must live at module level in an
