@@ -343,6 +343,9 @@ def test_step_summary_line():
     assert line.startswith("step 2 | reward 0.2 | eval/geo3k 0.5 | len 102")
     assert "mean_reward" not in line and "kl" not in line and "tok/s/gpu 123457" in line
     assert "\n" not in line
+    # with a KL term, "kl" is the KL to the reference policy; the PPO ratio's KL has its own label
+    line = format_step_summary(3, {**step_metrics(3), M.TRAIN_KL: 0.125, M.TRAIN_PPO_KL: 0.0})
+    assert "| kl 0.125 | ppo_kl 0 |" in line
 
 
 def test_moe_runs_get_a_load_imbalance_plot(tmp_path):

@@ -29,6 +29,7 @@ from .keys import (
     ROLLOUT_TRUNCATED_RATIO,
     TRAIN_ENTROPY,
     TRAIN_GRAD_NORM,
+    TRAIN_KL,
     TRAIN_LOSS,
     TRAIN_PG_CLIPFRAC,
     TRAIN_PPO_KL,
@@ -179,7 +180,8 @@ SUMMARY_FIELDS: tuple[tuple[str, str], ...] = (
     (TRAIN_LOSS, "loss"),
     (TRAIN_PG_CLIPFRAC, "clip"),
     (TRAIN_ENTROPY, "ent"),
-    (TRAIN_PPO_KL, "kl"),
+    (TRAIN_KL, "kl"),  # to the reference policy, logged when algo.kl_coef > 0
+    (TRAIN_PPO_KL, "ppo_kl"),
     (TRAIN_GRAD_NORM, "gnorm"),
     (TRAIN_ROLLOUT_LOGPROB_ABS_DIFF, "dlogp"),
     (PERF_STEP_TIME, "step_s"),
