@@ -546,7 +546,7 @@ class Loop:
                 return self._finish(ev, ev)
             if self.state.sft_steps_done < cfg.algo.sft_steps:
                 self.sft(cfg.algo.sft_steps)
-                if cfg.algo.kl_coef > 0 and cfg.algo.kl_reference == "warmup":
+                if cfg.algo.uses_reference and cfg.algo.kl_reference == "warmup":
                     self.trainer.set_reference_to_policy()  # checkpoints keep it from here on
                     print("KL reference: the policy after the SFT warm-up")
                 self._sync_weights("sft-warmup")

@@ -556,7 +556,7 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
     graphs, _ = training_cuda_graphs(cfg)
     state = [("trainer weights", mem.params), ("trainer gradients", mem.grads),
              ("trainer optimizer state", mem.optimizer)]
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.uses_reference:
         state.append(("reference model weights", mem.params))
     trainer_process = [("trainer process", PROCESS_BYTES)]
     # with CUDA graphs the training activations live in the graph trees' pools, which stay
@@ -628,7 +628,7 @@ def offload_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> f
     if cfg.hardware.device != "cuda" or not trainer_offload(cfg):
         return 0.0
     mem = mem or estimate_memory(cfg)
-    return mem.params * (2 if cfg.algo.kl_coef > 0 else 1) + mem.optimizer
+    return mem.params * (2 if cfg.algo.uses_reference else 1) + mem.optimizer
 
 
 def trainer_ranks_per_node(cfg: VlmrlConfig) -> int:
@@ -658,7 +658,7 @@ def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -
     mem = mem or estimate_memory(cfg)
     weight_bytes = 2 if cfg.hardware.train_dtype == "bfloat16" else 4
     weights = mem.params / weight_bytes
-    staged = weight_bytes * (2 if cfg.algo.kl_coef > 0 else 1)
+    staged = weight_bytes * (2 if cfg.algo.uses_reference else 1)
     state = 3 * F32  # main parameter (or the fp32 parameter itself) and two Adam moments
     if cfg.trainer.use_distributed_optimizer:
         return weights * max(2 * state + 2 * F32, 2 * state + staged)

@@ -291,6 +291,12 @@ class AlgoConfig(Sealable):
     sft_steps: int = 0
     sft_batch_size: int = 32
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the trainer keeps a reference model: an RL run with a KL term (algo=sft
+        has no KL term, whatever kl_coef the config carries)."""
+        return self.kl_coef > 0 and self.name != "sft"
+
 
 # --------------------------------------------------------------------------- trainer
 @dataclass

@@ -212,7 +212,7 @@ class MegatronTrainer:
         # what the reference model holds: "initial" (the start checkpoint) or "warmup" (the
         # policy at the end of the SFT warm-up, `set_reference_to_policy`); checkpoints keep it
         self.reference = "initial"
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.uses_reference:
             self.ref_chunks = build()
             adapters.load_hf_weights(self.ref_chunks, cfg.model, model_path)
             for c in self.ref_chunks:
