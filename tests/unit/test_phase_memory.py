@@ -44,7 +44,7 @@ REFERENCE = ["experiment=geo3k_qwen35"]
 # one H100 shared by the tiny model's trainer and one SGLang engine
 SHARED = ["hardware=h100", "rollout=sglang", "cluster.num_gpus=1", "cluster.colocate=true", "rollout.num_gpus=1",
           "rollout.sglang.mem_fraction_static=0.5", "rollout.weight_update_bucket_mb=100", "hardware.cuda_graphs=false",
-          "model.dtype=bfloat16"]
+          "model.dtype=bfloat16", "algo.kl_coef=0"]  # no reference model unless a test adds one
 # round figures: 1 GiB of weights, 2 of gradients, 3 of optimizer state, 4 of activations
 MEM = MemoryEstimate(params=1 * GIB, grads=2 * GIB, optimizer=3 * GIB, activations=4 * GIB,
                      tokens_per_micro_batch=1024, rollout_pool=40 * GIB, forward_activations=0.5 * GIB)
@@ -129,7 +129,8 @@ def test_cuda_graph_pools_stay_and_a_reference_model_counts():
 
 def test_separate_gpus_and_cpu():
     sep = phase_memory(_cfg("hardware=h100", "rollout=sglang", "cluster.num_gpus=2", "rollout.num_gpus=1",
-                            "rollout.sglang.mem_fraction_static=0.5", "hardware.cuda_graphs=false"), MEM)
+                            "rollout.sglang.mem_fraction_static=0.5", "hardware.cuda_graphs=false", "algo.kl_coef=0"),
+                       MEM)
     assert [(p.phase, p.where) for p in sep] == [("rollout", "engine"), ("logprob", "trainer"), ("train", "trainer")]
     engine = 1.5 * GIB + SGLANG_OUTSIDE_POOL_BYTES + SGLANG_BYTES_PER_KV_TOKEN * sglang_kv_tokens(
         _cfg("hardware=h100", "rollout=sglang", "rollout.sglang.mem_fraction_static=0.5"))
@@ -260,7 +261,9 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "bench" / 
 # colocated with one SGLang 0.5.17 engine on one H200, and the scaled 2.88B shape of the bench
 H200_TINY = ["model=tiny_qwen3_5_moe", "model.dtype=bfloat16", "hardware=h200", "rollout=sglang", "cluster.num_gpus=1",
              "cluster.colocate=true", "hardware.gdn_backend=torch", "hardware.fused_kernels=false",
-             "hardware.cuda_graphs=false", "rollout.max_new_tokens=64", "algo.sft_steps=0"]
+             "hardware.cuda_graphs=false", "rollout.max_new_tokens=64", "algo.sft_steps=0",
+             # the measured runs' GRPO settings (the embedded default's until 2026-12-05)
+             "algo.kl_coef=0", "algo.n_samples_per_prompt=8", "trainer.global_batch_size=64"]
 _LT = "[" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 3) + "]"
 H200_SCALED = [*H200_TINY, *(
     "model.lm.num_layers=12 model.lm.hidden_size=2048 model.lm.ffn_hidden_size=512 model.lm.num_attention_heads=16 "

@@ -58,7 +58,7 @@ def _overrides(shape: str, run_dir: str, extra: list[str]) -> list[str]:
             "cluster.num_gpus=1", "cluster.colocate=true", "trainer.offload=false", f"run_dir={run_dir}",
             "rollout.sglang.mem_fraction_static=0.3", "hardware.fused_kernels=false", "hardware.cuda_graphs=false",
             "hardware.gdn_backend=torch", "hardware.lm_attention_backend=sdpa",
-            "hardware.vision_attn_implementation=sdpa", "logger.wandb=false", *extra]
+            "hardware.vision_attn_implementation=sdpa", "logger.wandb=false", "algo.kl_coef=0", *extra]
 
 
 def main(argv: list[str] | None = None) -> int:
