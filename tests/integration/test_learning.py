@@ -4,7 +4,8 @@ leaves (summary, metrics, plots, checkpoint, HF export, Ray state in the run dir
 
 The run is deterministic on a given machine (seeded data, sampling and initialisation), so
 the learning check is a check of the loop, not a statistical test. It is the suite's
-longest run (about 4.5 minutes on two cores), shared by every test here.
+longest run (training about 260 s on two cores: 16 samples a prompt and the KL term's
+reference model, the default's GRPO; 0.453 -> 0.719 on 2026-12-05), shared by every test here.
 """
 
 from __future__ import annotations
