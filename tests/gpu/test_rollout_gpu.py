@@ -146,14 +146,10 @@ for flat in (False, True):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_nccl_update_group_broadcast(tmp_path):
-    from vlmrl.rollout.weights import (
-        broadcast_bucket,
-        init_update_group,
-        order_for_flattening,
-        serve_update_store,
-    )
+    from vlmrl.rollout.weights import broadcast_bucket, init_update_group, order_for_flattening
+    from vlmrl.training.parallel_state import host_store
 
-    store = serve_update_store(120)  # rank 0 serves the rendezvous before the receiver hears its port
+    store = host_store(120)  # rank 0 serves the rendezvous before the receiver hears its port
     port = store.port
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port)], stdout=subprocess.PIPE,

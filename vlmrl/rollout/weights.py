@@ -405,20 +405,11 @@ def order_for_flattening(bucket: Sequence[tuple[str, Any]]) -> list[tuple[str, A
     return sorted(bucket, key=lambda nt: -nt[1].element_size())
 
 
-def serve_update_store(timeout_s: float = 600.0) -> Any:
-    """The weight group's rendezvous store, served by trainer rank 0 on a port the OS picks
-    (`.port`) before any engine is told it: no other process can take the port in between."""
-    import torch.distributed as dist
-
-    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
-
-
 def _new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str, timeout_s: float, store: Any = None) -> Any:
     """A process group outside torch's default group, rendezvousing over TCP exactly like
     SGLang's `init_weights_update_group` (tcp:// store, keys prefixed by the group name).
-    `store`: one this process already serves at `master_port` (`serve_update_store`)."""
+    `store`: one this process already serves at `master_port` (`parallel_state.host_store`)."""
     import inspect
 
     import torch.distributed as dist
@@ -443,7 +434,7 @@ def init_update_group(master_address: str, master_port: int, world_size: int, *,
                       timeout_s: float = 600.0, store: Any = None) -> Any:
     """Trainer side (rank 0) of the weight broadcast group; blocks until every engine rank
     has joined (run it while the engines' /init_weights_update_group calls are pending).
-    `store`: the one `serve_update_store` opened at `master_port`, else rank 0 serves one."""
+    `store`: the one `parallel_state.host_store` opened at `master_port`, else rank 0 serves one."""
     return _new_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s, store)
 
 
@@ -509,8 +500,10 @@ async def init_weights_update_group_all(engines: Sequence[Any], master_address: 
     1 + sum(tp of engines before it). Returns the trainer's group handle. With no
     `master_port`, rank 0 serves the rendezvous on a port the OS gives it."""
     store = None
-    if master_port is None:
-        store = serve_update_store(timeout_s)
+    if master_port is None:  # served before any engine is told the port: none can take it
+        from ..training.parallel_state import host_store
+
+        store = host_store(timeout_s)
         master_port = store.port
     tp_sizes = list(tp_sizes or [getattr(e, "tp_size", 1) for e in engines])
     world = 1 + sum(tp_sizes)

@@ -57,7 +57,8 @@ LAUNCHER_STORE = "VLMRL_LAUNCHER_STORE"
 
 
 def host_store(timeout_s: float = 600.0) -> dist.TCPStore:
-    """A rendezvous store served by this process on a port the OS picks (`.port`).
+    """A rendezvous store served by this process on a port the OS picks (`.port`), for the
+    ranks it launches and for the weight-update group trainer rank 0 forms with the engines.
 
     Keep it referenced while the ranks live: Megatron creates its groups through it."""
     return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
@@ -89,8 +90,7 @@ def init_distributed(backend: str | None = None, *, rank: int | None = None, wor
     elif "MASTER_PORT" not in os.environ:
         if world_size != 1:
             raise RuntimeError("MASTER_PORT is not set for a multi-process run")
-        # one process: it serves its own store, on a port the OS picks while it listens
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = host_store(timeout_s)  # one process: it serves its own
         os.environ["MASTER_PORT"] = str(store.port)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
 
