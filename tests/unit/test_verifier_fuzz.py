@@ -151,7 +151,9 @@ def test_adversarial_label(index: int) -> None:
 def test_evaluator_rejects_out_of_bounds_at_once(expression: str) -> None:
     start = time.perf_counter()
     assert evaluate(expression) is None
-    assert time.perf_counter() - start < 0.05
+    # "at once": evaluating any of these would run for minutes or exhaust memory; the bound is loose
+    # because the suite's other workers share two cores with this one
+    assert time.perf_counter() - start < 0.5
 
 
 def test_evaluator_accepts_in_bounds() -> None:
