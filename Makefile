@@ -14,8 +14,8 @@ PYTEST_ARGS ?=
 ARGS ?=
 # pytest-xdist workers for the CPU suite, a test file at a time per worker (a file's module
 # fixtures, such as the learning run, are built once), each worker and the processes it starts
-# pinned to its own cores (tests/conftest.py). On two cores: about 11 minutes, where one
-# process took 15-16 (bench/results/suite.md). TEST_WORKERS=0 runs it in one process. On a
+# pinned to its own cores (tests/conftest.py). On two cores: 13-16 minutes, a third of it the
+# learning run's (bench/results/suite.md). TEST_WORKERS=0 runs it in one process. On a
 # machine with a GPU the tests share one device, so they run in one process there.
 TEST_WORKERS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 2)
 XDIST := -n $(TEST_WORKERS) --dist loadfile
