@@ -14,7 +14,7 @@ from typing import Any
 
 from .cli import hydra_entry
 from .config import ConfigError, VlmrlConfig, compute_layout, config_notes, to_dataclass, validate
-from .config.layout import LOOPBACK, RANK_ORDER, engine_bind_host
+from .config.layout import LOOPBACK, RANK_ORDER, embedded_engine_device, engine_bind_host
 from .config.memory import (
     GIB,
     checkpoint_host_bytes,
@@ -92,7 +92,10 @@ def render_plan(cfg: VlmrlConfig) -> str:
     console.print(table)
 
     mode = "colocated with the trainer" if cfg.cluster.colocate else "on their own devices"
-    if layout.on_gpu:
+    if layout.on_gpu and r.name == "embedded" and embedded_engine_device(cfg) == "cpu":
+        console.print(f"[bold]rollout[/] {r.name}: 1 engine in a Ray actor on the host's CPU "
+                      "(rollout.embedded.device=cpu), beside the GPU trainer")
+    elif layout.on_gpu:
         console.print(f"[bold]rollout[/] {r.name}: {layout.num_engines} engine(s) x {r.gpus_per_engine} GPU(s) "
                       f"(ep {r.sglang.ep_size}), {mode}"
                       + ("; async (one step off-policy)" if cfg.cluster.async_rollout else ""))

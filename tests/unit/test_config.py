@@ -211,6 +211,8 @@ INVALID = [
     (["data.min_pixels=100000"], "pixels", "min_pixels"),
     (["cluster=external", "cluster.address=null", *GPU_DENSE], "cluster-address", "cluster.address"),
     (["hardware.train_dtype=bfloat16"], "hardware-backend", "CPU trains in float32"),
+    (["rollout.embedded.device=cuda"], "engine-device", "rollout.embedded.device=auto or cpu"),
+    (["rollout.embedded.device=gpu"], "enum", "gpu"),
 ]
 
 
@@ -387,6 +389,31 @@ def test_engines_bind_loopback_on_one_local_machine_only():
     assert engine_bind_host(load(["experiment=geo3k_qwen35"])) == "127.0.0.1"
     assert engine_bind_host(load(["experiment=geo3k_qwen35", "cluster=external"], check_rules=False)) == "auto"
     assert engine_bind_host(load(["experiment=geo3k_qwen35", "cluster.num_nodes=2"], check_rules=False)) == "auto"
+
+
+GPU_EMBEDDED = ["model=tiny_qwen3_5_moe", "hardware=h200", "cluster.num_gpus=1", "cluster.colocate=true",
+                "rollout.num_gpus=1"]
+
+
+def test_the_embedded_engine_computes_on_the_gpus_of_the_run():
+    from vlmrl.config import config_notes
+    from vlmrl.config.layout import embedded_engine_device
+    from vlmrl.config.memory import phase_memory
+
+    assert embedded_engine_device(load([])) == "cpu"
+    gpu = load(GPU_EMBEDDED)
+    assert embedded_engine_device(gpu) == "cuda"
+    assert not any("embedded" in n for n in config_notes(gpu))
+    # the host's CPU beside GPU trainers only when asked, said at start, and out of the GPU plan
+    host = load([*GPU_EMBEDDED, "rollout.embedded.device=cpu"])
+    assert embedded_engine_device(host) == "cpu"
+    assert any("rollout.embedded.device=cpu" in n for n in config_notes(host))
+
+    def engine_parts(cfg):
+        return {name for ph in phase_memory(cfg) for name, _ in ph.parts if "engine" in name}
+
+    assert "engine weights" in engine_parts(gpu)
+    assert not engine_parts(host)
 
 
 def test_the_lr_schedule_spans_the_steps_the_run_takes():

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config.layout import engine_bind_host, returns_routed_experts
+from ..config.layout import embedded_engine_device, engine_bind_host, returns_routed_experts
 from ..config.schema import VlmrlConfig
 from ..rollout.manager import close_sessions
 from .placement import Placement, available_cores, cpu_threads
@@ -65,7 +65,11 @@ class EngineGroup:
             self.admin = list(self.sglang.engines)
             self.sync_targets = [e.base_url for e in self.sglang.engines]
         else:
+            import ray
+
             self._embedded = [self._new_embedded_actor(0)]
+            where = ray.get(self._embedded[0].placement.remote())
+            print(f"embedded engine on {where['device']} in {where['dtype']}")
             target, engine = self._embedded_endpoint(0)
             self.sync_targets, self.generation = [target], [engine]
             self.admin = self.generation
@@ -83,13 +87,19 @@ class EngineGroup:
 
     # ------------------------------------------------------------ embedded engines
     def _new_embedded_actor(self, i: int) -> Any:
+        """Embedded engine i in its placement bundle: on that bundle's GPU (a share of it beside
+        a colocated trainer rank, as an SGLang engine takes) in `model.dtype`, or on the host's
+        CPU where the run has no GPUs or `rollout.embedded.device=cpu` says so."""
         from ..rollout.embedded import create_embedded_actor
+        from ..rollout.sglang import engine_gpu_request
 
         cfg = self.cfg
+        device = embedded_engine_device(cfg)
+        gpus = engine_gpu_request(cfg.rollout, cfg.cluster.colocate) if device == "cuda" else 0.0
         return create_embedded_actor(
-            self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=0.0, name=f"embedded-{i}",
+            self.model_path, num_cpus=cfg.cluster.cpus_per_actor, num_gpus=gpus, name=f"embedded-{i}",
             scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[i]),
-            torch_threads=cpu_threads(cfg, "engine", available_cores()),
+            torch_threads=cpu_threads(cfg, "engine", available_cores()), device=device,
             min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels, dtype=cfg.model.dtype,
             max_batch_size=cfg.rollout.embedded.max_batch_size, sglang_version=cfg.rollout.embedded.sglang_version)
 

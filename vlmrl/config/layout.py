@@ -119,6 +119,16 @@ def compute_layout(cfg: VlmrlConfig) -> Layout:
     )
 
 
+def embedded_engine_device(cfg: VlmrlConfig) -> str:
+    """Where the embedded engine computes: "cuda" (the GPU of its placement bundle) or "cpu".
+    `rollout.embedded.device=auto` follows the run: its GPU when the run has GPUs, else the
+    CPU; `cpu` keeps it on the host beside GPU trainers (an explicit choice)."""
+    wanted = cfg.rollout.embedded.device
+    if wanted != "auto":
+        return wanted
+    return "cuda" if cfg.hardware.device == "cuda" else "cpu"
+
+
 LOOPBACK = "127.0.0.1"
 
 

@@ -516,6 +516,8 @@ def _engine_generating(cfg: VlmrlConfig) -> list[tuple[str, float]]:
         return [(f"engine static pool (weights + KV cache: mem_fraction_static "
                  f"{r.sglang.mem_fraction_static:g} x {_gib_text(gpu)})", r.sglang.mem_fraction_static * gpu),
                 *_engine_outside_pool(cfg)]
+    if _engine_on_host(cfg):
+        return []
     return [("engine weights", engine_weight_bytes(cfg)), ("engine activations", ENGINE_RUNTIME_BYTES),
             ("engine process", PROCESS_BYTES)]
 
@@ -525,7 +527,16 @@ def _engine_released(cfg: VlmrlConfig) -> list[tuple[str, float]]:
     embedded engine its process."""
     if cfg.rollout.name == "sglang":
         return [(f"released {name}", b) for name, b in _engine_outside_pool(cfg)]
+    if _engine_on_host(cfg):
+        return []
     return [("released engine process", PROCESS_BYTES)]
+
+
+def _engine_on_host(cfg: VlmrlConfig) -> bool:
+    """An embedded engine on the host's CPU beside GPU trainers takes no GPU memory."""
+    from .layout import embedded_engine_device
+
+    return cfg.rollout.name == "embedded" and embedded_engine_device(cfg) == "cpu"
 
 
 def _gib_text(n: float) -> str:
@@ -577,7 +588,7 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
         PhaseMemory("logprob", "shared", tuple(state + trainer_process + trainer_graphs + fwd_acts + released_engine)),
         PhaseMemory("train", "shared", tuple(state + trainer_process + trainer_graphs + train_acts + released_engine)),
         PhaseMemory("sync", "shared", tuple(state + trainer_process + trainer_graphs + [
-            ("engine weights (resumed)", engine_weight_bytes(cfg)),
+            *([] if _engine_on_host(cfg) else [("engine weights (resumed)", engine_weight_bytes(cfg))]),
             (f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB)", 2 * bucket),
             *[(name.removeprefix("released "), b) for name, b in released_engine]])),
     ]

@@ -394,6 +394,10 @@ class EmbeddedEngineConfig(Sealable):
     # the SGLang release whose protocol the HTTP server speaks (its contract in
     # vlmrl/contracts); null: the newest one vlmrl has a contract for
     sglang_version: str | None = None
+    # where the engine computes: auto (the GPU of its placement bundle when the run has GPUs,
+    # in model.dtype; else the CPU) | cuda | cpu (on a GPU machine: the host's CPU beside GPU
+    # trainers, an explicit choice)
+    device: str = "auto"
 
 
 @dataclass

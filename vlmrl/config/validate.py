@@ -58,6 +58,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "parallel.recompute_method": ("uniform", "block"),
     "rollout.name": ("embedded", "sglang"),
     "rollout.sglang.weight_loader": ("vlmrl", "sglang"),
+    "rollout.embedded.device": ("auto", "cuda", "cpu"),
     "cluster.name": ("local", "external"),
 }
 
@@ -238,6 +239,9 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if r.name == "embedded" and r.gpus_per_engine != 1:
         fail("engine-gpus", f"the embedded engine runs on one device: rollout.gpus_per_engine="
              f"{r.gpus_per_engine} must be 1")
+    if r.name == "embedded" and r.embedded.device == "cuda" and not on_gpu:
+        fail("engine-device", f"rollout.embedded.device=cuda needs GPUs; hardware={hw.name} has none "
+             "(use rollout.embedded.device=auto or cpu)")
     if r.name == "sglang":
         ep = r.sglang.ep_size
         if ep < 1 or r.gpus_per_engine % ep:
@@ -385,6 +389,11 @@ def config_notes(cfg: VlmrlConfig) -> list[str]:
     """Facts about a valid config that change what a run means (the plan and the start of
     a run print them)."""
     notes = []
+    from .layout import embedded_engine_device
+
+    if cfg.rollout.name == "embedded" and cfg.hardware.device == "cuda" and embedded_engine_device(cfg) == "cpu":
+        notes.append("rollout.embedded.device=cpu: the embedded engine generates on the host's CPU beside GPU "
+                     f"trainers, in model.dtype={cfg.model.dtype}")
     if cfg.rollout.name == "sglang" and not cfg.rollout.sglang.deterministic_inference:
         notes.append("SGLang ignores the per-sample seeds unless rollout.sglang.deterministic_inference=true: "
                      "rollouts are not reproducible and a resumed run does not redraw the same samples")

@@ -778,6 +778,10 @@ class EmbeddedEngineActor:
         """The engine's counters and, once it serves HTTP, the server's (refusals counted)."""
         return {**self.engine.stats, **(self._server.stats if self._server is not None else {})}
 
+    async def placement(self) -> dict[str, str]:
+        """Where the engine computes: its device and the dtype of its weights."""
+        return {"device": str(self.engine.device), "dtype": str(self.engine.dtype).removeprefix("torch.")}
+
     async def close(self) -> None:
         if self._server is not None:
             await self._server.close()
