@@ -87,6 +87,19 @@ def test_the_embedded_default_is_the_measured_learning_settings():
     assert load(REFERENCE, check_rules=False).algo.kl_coef == 0.0
 
 
+def test_the_moe_miniature_recipe_is_the_same_on_every_engine():
+    """`experiment=tiny_qwen35_moe` runs one recipe whichever engine generates: SGLang on a GPU
+    samples as the embedded engine on a CPU does (the rollout group's own reply budget, 1024
+    tokens for SGLang, would let replies that miss their end token fill the loss)."""
+    pinned = ["experiment=tiny_qwen35_moe", "run_name=same"]
+    cpu = load(pinned)
+    gpu = load([*pinned, "rollout=sglang", "hardware=h200", "cluster.num_gpus=1", "cluster.colocate=true"])
+    recipe = ("batch_size", "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "eval")
+    assert {k: getattr(gpu.rollout, k) for k in recipe} == {k: getattr(cpu.rollout, k) for k in recipe}
+    assert cpu.rollout.max_new_tokens == 24
+    assert (gpu.algo, gpu.trainer.optim, gpu.data) == (cpu.algo, cpu.trainer.optim, cpu.data)
+
+
 def test_reference_recipe_values():
     cfg = load(REFERENCE)
     assert cfg.model.name == "qwen3_5_35b_a3b"
