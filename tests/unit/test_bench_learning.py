@@ -28,6 +28,11 @@ def test_runs_are_planned_per_warm_up_then_seed_then_variant(tmp_path):
     assert cmd[:3] == ["py", "-m", "vlmrl.train"]
     # the run's own seeds, then the common overrides, then the variant's (which win)
     assert cmd.index("seed=1") < cmd.index("base=0") < cmd.index("x=1") and "data.seed=7" in cmd
+    assert not any("base_port" in c for c in cmd)
+    # SGLang runs side by side: each its own range of ports
+    ports = [r.sglang_port for r in plan_runs([("a", [])], [], [1, 2], [7], tmp_path, sglang_ports_from=20000)]
+    assert ports == [20000, 20100]
+    assert "rollout.sglang.base_port=20100" in plan_runs([("a", [])], [], [1, 2], [7], tmp_path, 20000)[1].command("py")
 
 
 def test_a_run_is_read_from_its_metrics_and_summary(tmp_path):

@@ -47,14 +47,16 @@ class Run:
     data_seed: int
     overrides: list[str]
     run_dir: Path
+    sglang_port: int | None = None  # this run's rollout.sglang.base_port (runs side by side need their own)
 
     @property
     def name(self) -> str:
         return f"{self.variant}_s{self.seed}_d{self.data_seed}"
 
     def command(self, python: str) -> list[str]:
+        ports = [] if self.sglang_port is None else [f"rollout.sglang.base_port={self.sglang_port}"]
         return [python, "-m", "vlmrl.train", f"run_dir={self.run_dir}", "logger.wandb=false",
-                "logger.progress=false", f"seed={self.seed}", f"data.seed={self.data_seed}", *self.overrides]
+                "logger.progress=false", f"seed={self.seed}", f"data.seed={self.data_seed}", *ports, *self.overrides]
 
 
 @dataclass
@@ -118,10 +120,15 @@ def read_run(run: Run, exit_code: int | None) -> Row:
 
 
 def plan_runs(variants: list[tuple[str, list[str]]], base: list[str], seeds: list[int], data_seeds: list[int],
-              root: Path) -> list[Run]:
-    """Every (variant, warm-up, seed), warm-ups outermost so that an early stop has seen each variant."""
-    return [Run(name, s, d, [*base, *ov], root / f"{name}_s{s}_d{d}")
+              root: Path, sglang_ports_from: int | None = None) -> list[Run]:
+    """Every (variant, warm-up, seed), warm-ups outermost so that an early stop has seen each
+    variant; with `sglang_ports_from`, run i's SGLang engines listen from that port + 100 i."""
+    runs = [Run(name, s, d, [*base, *ov], root / f"{name}_s{s}_d{d}")
             for d in data_seeds for s in seeds for name, ov in variants]
+    if sglang_ports_from is not None:
+        for i, run in enumerate(runs):
+            run.sglang_port = sglang_ports_from + 100 * i
+    return runs
 
 
 def run_all(runs: list[Run], python: str, parallel: int, timeout_s: float, cwd: Path) -> dict[str, int | None]:
@@ -255,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="names the results (default: the date and time)")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--summarize-only", action="store_true", help="read the run dirs of an earlier call again")
+    p.add_argument("--sglang-ports-from", type=int, default=None,
+                   help="give run i rollout.sglang.base_port=PORT+100*i (SGLang runs side by side)")
     p.add_argument("--warm", action="store_true",
                    help="build the checkpoint and compile the GPU kernel checks once before the runs")
     args = p.parse_args(argv)
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = args.tag or dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M")
     base = shlex.split(args.base)
     root = Path(args.run_root) / tag
-    runs = plan_runs(args.variant, base, args.seeds, args.data_seeds, root)
+    runs = plan_runs(args.variant, base, args.seeds, args.data_seeds, root, args.sglang_ports_from)
     command = "python -m vlmrl.bench.learning " + shlex.join(argv if argv is not None else sys.argv[1:])
     codes: dict[str, int | None] = {}
     if args.warm and not args.summarize_only:
