@@ -27,6 +27,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from .algo import compute_advantages
+from .algo.advantages import keeps_group
 from .cluster.colocation import Colocation
 from .cluster.engine_group import EngineGroup
 from .cluster.placement import create_placement
@@ -56,6 +57,7 @@ from .models.sglang_checkpoint import check_sglang_checkpoint
 from .models.tiny import ensure_tiny_checkpoint
 from .rewards import build_verifier
 from .rewards.pool import RewardPool
+from .rollout.dynamic import SamplingPlan, run_step
 from .rollout.manager import RolloutManager
 from .training.checkpoint import checkpoint_dir, find_latest, read_loop_state, write_loop_state
 
@@ -165,6 +167,7 @@ class Loop:
         self.evaluator: RolloutManager | None = None  # one greedy reply a prompt
         self._routing: tuple[int, int] | None = None  # (layers, top-k) of the experts engines report
         self._executor: ThreadPoolExecutor | None = None  # async: the overlapped rollout's thread
+        self._bound_noted = False  # a dynamic-sampling bound was reported once
 
     # ------------------------------------------------------------ components
     def _resolve_model(self) -> None:
@@ -382,13 +385,29 @@ class Loop:
             self.progress.print_sft_step(done, steps, row)
 
     def _rollout(self, step: int) -> tuple[list[Any], Any, float]:
-        """Sample the step's prompts and generate their groups (a worker thread runs this
-        while the trainer trains in async mode)."""
+        """Draw the step's prompts, generate and score their groups, keep the ones
+        `algo.filter_groups` keeps and draw more while too few are (`vlmrl.rollout.dynamic`; a
+        worker thread runs this while the trainer trains in async mode)."""
         t0 = time.perf_counter()
         self._phase("generate")
-        prompts = self.train_data.sample_batch(self.cfg.rollout.batch_size)
-        batch = self.rollout.run([rollout_prompt(p) for p in prompts], step=step)
-        return prompts, batch, time.perf_counter() - t0
+        cfg, drawn = self.cfg, []
+
+        def draw(n: int) -> list[Any]:
+            batch = self.train_data.sample_batch(n)
+            drawn.extend(batch)
+            return [rollout_prompt(p) for p in batch]
+
+        def score(records: list[Any]) -> list[float]:
+            return self.pool.score([r.text for r in records], [r.answer for r in records])
+
+        out = run_step(self.rollout, draw, score, lambda rewards: keeps_group(rewards, cfg.algo.filter_groups),
+                       SamplingPlan.from_config(cfg.rollout, cfg.algo.filter_groups), step=step)
+        if out.bound_hit and not self._bound_noted:
+            self._bound_noted = True
+            print(f"note: step {step + 1} kept {out.kept_groups} of rollout.batch_size={cfg.rollout.batch_size} "
+                  f"groups after {out.rounds} round(s) and {len(out.prompts)} prompts (rollout.max_rounds / "
+                  "max_prompts): it trains on those (rollout/sampling_bound_hit counts such steps)")
+        return drawn, out, time.perf_counter() - t0
 
     def rl_step(self) -> dict[str, float]:
         cfg, state = self.cfg, self.state
@@ -410,8 +429,7 @@ class Loop:
         # sync that did not reach an engine shows here too)
         stale = sum(r.weight_version != self.engine_version for r in batch.records) if self.engine_version else 0
         by_index = {p.index: p for p in prompts}
-        records = sorted(batch.records, key=lambda r: (r.group_index, r.sample_index))
-        rewards = self.pool.score([r.text for r in records], [by_index[r.prompt_index].answer for r in records])
+        records, rewards = batch.records, batch.rewards  # kept groups, scored as they completed
         advantages = compute_advantages(cfg.algo.advantage_estimator, rewards, n,
                                         reward_dtype=cfg.algo.reward_dtype).tolist() if records else []
         samples, skipped = train_samples(self.processor, by_index, records, advantages, routing=self._routing,
@@ -453,7 +471,10 @@ class Loop:
         self._phase_memory("sync")
         state.train_seconds += time.perf_counter() - t_step  # the whole step: rollout, train, sync
 
-        metrics = rollout_metrics(records, rewards)
+        # what the policy sampled: every scored group, the ones a filter dropped too
+        metrics = rollout_metrics(records + batch.rejected, rewards + batch.rejected_rewards)
+        if cfg.algo.filter_groups != "none":
+            metrics.update(batch.metrics())
         last = train_metrics[-1] if train_metrics else {}
         for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "grad_norm", "ppo_kl", "kl", "tis_mean",
                     "mis_masked_frac", "train_rollout_logprob_abs_diff"):

@@ -408,3 +408,62 @@ def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_
     assert start.keys() == end.keys()
     moved = [k for k in start if not torch.equal(start[k], end[k])]
     assert not moved, moved[:5]
+
+
+def test_dynamic_sampling_async_and_resumed_draws_what_it_would_have(tmp_path, cache_dir, monkeypatch):
+    """Dynamic sampling in the loop, in async mode (the next step's rounds are drawn while this
+    step trains): each step trains on rollout.batch_size kept groups drawn over up to three
+    rounds, logs its sampling figures, and the groups it trains on are the informative ones. A
+    run resumed from the checkpoint after step 1 starts step 2's rollout where the
+    uninterrupted run did (the overlapped rollout had drawn past it): the same prompts first.
+    The reward is the coin-flip control, scored inline, so about one group in eight of four
+    replies is all-equal."""
+    from vlmrl.data.prompts import PromptDataset
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import Loop, train
+
+    draws: list[tuple[int, list[int]]] = []  # (step the rollout is for, rows drawn), per round
+    rollout, sample_batch = Loop._rollout, PromptDataset.sample_batch
+    current: list[int] = []
+
+    def spy_rollout(self, step):
+        current.append(step)
+        return rollout(self, step)
+
+    def spy_draw(self, n):
+        out = sample_batch(self, n)
+        if self.split == "train" and current:
+            draws.append((current[-1], [p.index for p in out]))
+        return out
+
+    monkeypatch.setattr(Loop, "_rollout", spy_rollout)
+    monkeypatch.setattr(PromptDataset, "sample_batch", spy_draw)
+    dynamic = ["reward=coin_flip", "reward.num_workers=0", "algo.filter_groups=equal_reward",
+               "rollout.oversample=1.5", "rollout.max_rounds=3", "cluster.async_rollout=true", "save_hf=false",
+               "save_interval=1"]
+    straight = tmp_path / "straight"
+    train(_config(straight, cache_dir, dynamic))
+    rows = [r for r in read_metrics(straight) if "rl_step" in r]
+    assert [r["rl_step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/kept_groups"] == 4 and r["rollout/sampling_bound_hit"] == 0, r
+        assert r["rollout/prompts_drawn"] >= 6 and 1 <= r["rollout/sampling_rounds"] <= 3, r
+        assert r["rollout/filtered_groups"] + r["rollout/kept_groups"] + r["rollout/surplus_groups"] \
+            <= r["rollout/prompts_drawn"], r
+        assert r["train/loss"] == r["train/loss"] and r["rollout/dropped_groups"] == 0
+    trained = [json.loads(x) for x in (straight / "samples.jsonl").read_text().splitlines()]
+    by_group: dict[tuple[int, int], set[float]] = {}
+    for s in trained:
+        if s["kind"] == "rollout":
+            by_group.setdefault((s["step"], s["group"]), set()).add(s["reward"])
+    assert by_group and all(len(rewards) > 1 for rewards in by_group.values())  # no all-equal group trained on
+    first_of_step2 = next(rows_ for step, rows_ in draws if step == 1)
+    assert sum(len(x) for _, x in draws) == sum(r["rollout/prompts_drawn"] for r in rows)
+
+    draws.clear()
+    current.clear()
+    resumed = tmp_path / "resumed"
+    checkpoint = straight / "checkpoints" / "step_000003"  # 2 SFT steps + RL step 1
+    train(_config(resumed, cache_dir, [*dynamic, f"resume={checkpoint}"]))
+    assert [r["rl_step"] for r in read_metrics(resumed) if "rl_step" in r] == [2]
+    assert draws[0] == (1, first_of_step2)

@@ -226,6 +226,11 @@ INVALID = [
     (["hardware.train_dtype=bfloat16"], "hardware-backend", "CPU trains in float32"),
     (["rollout.embedded.device=cuda"], "engine-device", "rollout.embedded.device=auto or cpu"),
     (["rollout.embedded.device=gpu"], "enum", "gpu"),
+    (["algo.filter_groups=equal"], "enum", "filter_groups"),
+    (["rollout.oversample=2"], "dynamic-sampling", "algo.filter_groups=equal_reward"),
+    (["algo.filter_groups=equal_reward", "rollout.oversample=0.5"], "dynamic-sampling", "must be >= 1"),
+    (["algo.filter_groups=equal_reward", "rollout.max_rounds=3", "rollout.max_prompts=2"], "dynamic-sampling",
+     "rollout.max_prompts=2"),
 ]
 
 

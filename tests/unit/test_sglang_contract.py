@@ -258,6 +258,7 @@ def _client_calls_plan() -> dict[str, list[tuple[tuple, dict]]]:
         "release_memory_occupation": [((), {}), ((None,), {}), ((list(MEMORY_TAGS),), {}), ((MEMORY_TAGS[:1],), {})],
         "resume_memory_occupation": [((), {}), ((None,), {}), ((list(MEMORY_TAGS),), {}), ((MEMORY_TAGS[:1],), {})],
         "wait_healthy": [((5.0,), {})],
+        "abort_requests": [((["r-1", "r-2"],), {})],
     }
 
 

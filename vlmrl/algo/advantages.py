@@ -138,3 +138,19 @@ def _group_std(grouped: torch.Tensor) -> torch.Tensor:
 def _all_equal(grouped: torch.Tensor) -> torch.Tensor:
     """``[num_groups, 1]`` mask of groups whose rewards are all equal."""
     return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+
+
+GROUP_FILTERS = ("none", "equal_reward")
+
+
+def keeps_group(rewards: RewardsLike, rule: str) -> bool:
+    """Whether a group with these rewards takes part in training under `algo.filter_groups`:
+    `none` keeps every group; `equal_reward` (DAPO's dynamic sampling) drops a group whose
+    rewards are all equal (compared exactly, as the advantages do): GRPO gives it zero
+    advantage everywhere, so it carries no policy gradient and only dilutes the step."""
+    if rule == "none":
+        return True
+    if rule == "equal_reward":
+        grouped = _grouped(rewards, len(rewards), torch.float64) if len(rewards) else None
+        return grouped is not None and not bool(_all_equal(grouped).item())
+    raise ValueError(f"unknown algo.filter_groups {rule!r}; one of {GROUP_FILTERS}")

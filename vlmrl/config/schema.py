@@ -287,6 +287,11 @@ class AlgoConfig(Sealable):
     # experts the rollout engine chose for it, in the old-logprob and training passes; the
     # router's weights over those experts still come from the trainer's logits.
     routing_replay: str = "none"
+    # Which prompt groups a step trains on (vlmrl.algo.advantages.keeps_group): none | equal_reward
+    # (drop the groups whose rewards are all equal: no advantage, no gradient; DAPO's dynamic
+    # sampling). With rollout.oversample / rollout.max_rounds the step draws more prompts to
+    # make up for the dropped groups.
+    filter_groups: str = "none"
     # SFT warm-up steps run before RL (algo=grpo) or the SFT step count (algo=sft).
     sft_steps: int = 0
     sft_batch_size: int = 32
@@ -428,6 +433,14 @@ class RolloutConfig(Sealable):
     # return_routed_experts), and the trainer measures per layer how often its own router
     # picks others (moe/route_mismatch); null: exactly when algo.routing_replay needs them
     return_routed_experts: bool | None = None
+    # Dynamic sampling (with algo.filter_groups): a step wants batch_size groups that the filter
+    # keeps. Each round draws ceil(missing x oversample) prompts, and stops their generation as
+    # soon as the first `missing` kept groups in draw order are complete (the rest are aborted
+    # on the engines); up to max_rounds rounds and max_prompts prompts a step (null:
+    # batch_size x oversample x max_rounds). A step that hits a bound trains on what it has.
+    oversample: float = 1.0
+    max_rounds: int = 1
+    max_prompts: int | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)

@@ -51,6 +51,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "algo.kl_reference": ("warmup", "initial"),
     "algo.mis": ("none", "token", "sequence"),
     "algo.routing_replay": ("none", "rollout"),
+    "algo.filter_groups": ("none", "equal_reward"),
     "trainer.moe_router_precision": ("fp32", "engine"),
     "trainer.optim.optimizer": ("adam",),
     "trainer.optim.lr_decay_style": ("constant", "linear", "cosine"),
@@ -205,6 +206,18 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     if not on_gpu and hw.vision_attn_implementation.startswith("flash_attention"):
         fail("hardware-attention", f"hardware.vision_attn_implementation={hw.vision_attn_implementation} "
              "needs a GPU: use sdpa on CPU")
+
+    # --- dynamic sampling
+    if r.oversample < 1.0 or r.max_rounds < 1:
+        fail("dynamic-sampling", f"rollout.oversample={r.oversample} must be >= 1 and rollout.max_rounds="
+             f"{r.max_rounds} >= 1")
+    if (r.oversample > 1.0 or r.max_rounds > 1) and a.filter_groups == "none":
+        fail("dynamic-sampling", f"rollout.oversample={r.oversample} / rollout.max_rounds={r.max_rounds} draw "
+             "prompts to replace the groups algo.filter_groups drops; with filter_groups=none there are none "
+             "(set algo.filter_groups=equal_reward, or oversample=1 max_rounds=1)")
+    if r.max_prompts is not None and r.max_prompts < r.batch_size:
+        fail("dynamic-sampling", f"rollout.max_prompts={r.max_prompts} must be >= rollout.batch_size="
+             f"{r.batch_size} (or null)")
 
     # --- placement and colocation
     if c.cpu_threads is not None and c.cpu_threads < 1:

@@ -25,6 +25,16 @@ rollout
   data/skipped_rows             dataset rows skipped so far (data.skips, by reason in the log)
   rollout/response_len/mean     mean response length in tokens
   rollout/truncated_ratio       fraction of responses cut at the max new tokens
+  (raw_reward, accuracy, response_len and truncated_ratio cover every scored group, those a
+  filter dropped too: what the policy sampled)
+dynamic sampling (with algo.filter_groups; vlmrl.rollout.dynamic)
+  rollout/kept_groups           groups the step trains on (rollout.batch_size when it filled)
+  rollout/filtered_groups       complete groups the filter dropped
+  rollout/sampling_rounds       rounds of drawing prompts
+  rollout/prompts_drawn         prompts drawn in the step, used or not
+  rollout/surplus_groups        groups no longer needed once the step had its kept groups
+  rollout/aborted_requests      their requests (and timed-out ones) stopped on the engines
+  rollout/sampling_bound_hit    1 when rollout.max_rounds / max_prompts left the step short
 eval (every `eval_interval` steps, one pair per eval dataset)
   eval/<dataset>                accuracy: fraction of samples the verifier accepts
   eval/<dataset>/mean_reward    mean verifier reward (differs from accuracy for

@@ -91,6 +91,7 @@ class HTTPEngine:
         self._headers = bearer(api_key)  # the run's engine key, sent with every request (never logged)
         self._held: set[str] = set()  # released memory tags: no generation while any
         self._inflight = 0  # this client's /generate calls under way
+        self._attempt_rid: dict[str, str] = {}  # a request's id -> the id of its attempt under way
         self._protocol: Any = None  # the server's SGLangProtocol, once asked
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
@@ -187,6 +188,8 @@ class HTTPEngine:
             # a retried request gets a fresh id: SGLang may still hold the aborted attempt's
             # id and would refuse it as a duplicate (HTTP 400)
             attempt_req = req if not attempt or req.rid is None else req.replace(rid=f"{req.rid}-a{attempt}")
+            if req.rid is not None:
+                self._attempt_rid[req.rid] = attempt_req.rid
             try:
                 reply = await self._call("POST", "/generate", request_to_sglang(attempt_req), retries=0)
                 if isinstance(reply, list):
@@ -198,8 +201,18 @@ class HTTPEngine:
                 last = e
                 if not e.retryable:
                     raise
+            finally:
+                if req.rid is not None:
+                    self._attempt_rid.pop(req.rid, None)
         assert last is not None
         raise last
+
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """POST /abort_request for each of `rids` (the attempt under way, when one was retried)."""
+        for rid in rids:
+            body = {"rid": self._attempt_rid.get(rid, rid)}
+            await self._call("POST", "/abort_request", body, expect_json=False, retries=0,
+                             timeout_s=30.0)
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         return list(await asyncio.gather(*(self.generate_one(r) for r in requests)))

@@ -54,6 +54,7 @@ from typing import Any
 
 from .faults import KillSwitch
 from .protocol import (
+    FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineError,
@@ -114,6 +115,7 @@ class _Row:
     finish: str | None = None
     matched: int | str | None = None
     experts: list[Any] | None = None  # [tokens, layers, k] blocks of routed experts, when asked for
+    rid: str | None = None
 
 
 def moe_routers(model: Any) -> list[tuple[int, Any]]:
@@ -218,6 +220,10 @@ class EmbeddedEngine:
         # in a batch / in the batch being generated (what /v1/loads reports)
         self._load_lock = threading.Lock()
         self._queued = self._pending = self._running = 0
+        # ids of requests asked to stop (abort_requests) that have not finished yet; guarded
+        # by _load_lock, read by the decode loop between steps
+        self._aborted: set[str] = set()
+        self._live: set[str] = set()  # ids of requests taken and not finished
         self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0,
                       "refused_generate_released": 0, "refused_update_released": 0}
 
@@ -367,7 +373,7 @@ class EmbeddedEngine:
         return out
 
     def _run_batch(self, preps: list[_Prepared], params: list[SamplingParams],
-                   want_experts: Sequence[bool] = ()) -> list[_Row]:
+                   want_experts: Sequence[bool] = (), rids: Sequence[str | None] = ()) -> list[_Row]:
         import torch
         from transformers import DynamicCache
 
@@ -392,7 +398,8 @@ class EmbeddedEngine:
                 feats[p.key] = self._image_features(p)
             where = ids[i] == self.image_token_id
             embeds[i, where] = feats[p.key].to(embeds.dtype)
-        rows = [_Row(i, sp, self._make_generator(sp.seed), [], []) for i, sp in enumerate(params)]
+        rows = [_Row(i, sp, self._make_generator(sp.seed), [], [], rid=rids[i] if rids else None)
+                for i, sp in enumerate(params)]
         for r in rows:
             if r.params.max_new_tokens <= 0:
                 r.finish = FINISH_LENGTH
@@ -422,6 +429,7 @@ class EmbeddedEngine:
         live = list(rows)
         tokens: list[int] = []
         while True:
+            self._stop_aborted(live)
             keep = [k for k, r in enumerate(live) if r.finish is None]
             if not keep:
                 break
@@ -451,6 +459,39 @@ class EmbeddedEngine:
                 r.logprobs.append(lp)
                 self._check_finish(r)
 
+    # ----------------------------------------------------------------- abort
+    def _stop_aborted(self, rows: Sequence[_Row]) -> None:
+        """Rows whose request was aborted finish now, with what they generated so far."""
+        with self._load_lock:
+            if not self._aborted:
+                return
+            for r in rows:
+                if r.finish is None and r.rid is not None and r.rid in self._aborted:
+                    r.finish = FINISH_ABORT
+
+    def _track(self, requests: Sequence[GenerateRequest], *, live: bool) -> None:
+        """Requests taken (live) or finished (no longer live, nor aborted)."""
+        rids = [q.rid for q in requests if q.rid is not None]
+        with self._load_lock:
+            if live:
+                self._live.update(rids)
+            else:
+                self._live.difference_update(rids)
+                self._aborted.difference_update(rids)
+
+    def _is_aborted(self, rid: str | None) -> bool:
+        with self._load_lock:
+            return rid is not None and rid in self._aborted
+
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """Stop the requests `rids`: a queued one finishes without running, a running one at
+        its next decode step, both with finish_reason "abort" (as SGLang's /abort_request).
+        Ids of requests this engine does not hold are ignored."""
+        with self._load_lock:
+            hit = [rid for rid in rids if rid in self._live and rid not in self._aborted]
+            self._aborted.update(hit)
+            self.stats["aborted"] = self.stats.get("aborted", 0) + len(hit)
+
     # ----------------------------------------------------------------- load
     def load(self) -> dict[str, int]:
         """Requests being generated ("running": the batch in the decode loop) and waiting for
@@ -469,6 +510,7 @@ class EmbeddedEngine:
     def generate_sync(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult | BaseException]:
         """Run requests now (in chunks of max_batch_size); a failed request's slot holds its
         exception, so one bad request does not fail its companions."""
+        self._track(requests, live=True)
         return self._generate(requests, from_queue=False)
 
     def _generate(self, requests: Sequence[GenerateRequest], *, from_queue: bool) -> list[GenerateResult | BaseException]:
@@ -500,9 +542,20 @@ class EmbeddedEngine:
                     chunk = prepared[s:s + self.max_batch_size]
                     self._count(pending=-len(chunk), running=len(chunk))
                     left -= len(chunk)
+                    for i, prep in chunk:  # aborted while waiting: never run
+                        if self._is_aborted(requests[i].rid):
+                            results[i] = GenerateResult(output_ids=[], text="", logprobs=[] if requests[i].return_logprob
+                                                        else None, finish_reason=FINISH_ABORT,
+                                                        prompt_tokens=prep.length, rid=requests[i].rid,
+                                                        weight_version=self.weight_version)
+                    chunk = [(i, prep) for i, prep in chunk if results[i] is None]
+                    if not chunk:
+                        self._count(running=0)
+                        continue
                     try:
                         rows = self._run_batch([p for _, p in chunk], [requests[i].sampling for i, _ in chunk],
-                                               [requests[i].return_routed_experts for i, _ in chunk])
+                                               [requests[i].return_routed_experts for i, _ in chunk],
+                                               [requests[i].rid for i, _ in chunk])
                     except Exception as e:  # noqa: BLE001
                         log.exception("embedded engine batch failed")
                         for i, _ in chunk:
@@ -514,6 +567,7 @@ class EmbeddedEngine:
             return results  # type: ignore[return-value]
         finally:
             self._count(pending=-left)
+            self._track(requests, live=False)
 
     def _finish(self, requests: Sequence[GenerateRequest], chunk: list[tuple[int, _Prepared]], rows: list[_Row],
                 results: list[GenerateResult | BaseException | None]) -> None:
@@ -594,6 +648,7 @@ class EmbeddedEngine:
         return self._batcher
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        self._track(requests, live=True)  # an abort may come while they wait for a batch
         futures = self._get_batcher().submit(list(requests))
         if self.kill_switch is not None:  # fault injection (vlmrl.rollout.faults), tests only
             self.kill_switch.count(len(requests))
@@ -686,20 +741,35 @@ class _Batcher:
     def close(self) -> None:
         self.closed = True
         self.task.cancel()
-        left = self.queue.qsize()  # requests never taken: no longer queued
-        if left:
-            self.engine._count(queued=-left)
+        self._abandon([])  # requests never taken: no longer queued
+
+    def _abandon(self, items: list[tuple[GenerateRequest, asyncio.Future]]) -> None:
+        """Requests this batcher holds and will never run (its event loop is going away): no
+        longer queued, nor live, and their callers are cancelled."""
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        self.engine._count(queued=-len(items))
+        self.engine._track([r for r, _ in items], live=False)
+        for _, f in items:
+            if not f.done():
+                f.cancel()
 
     async def _run(self) -> None:
         while True:
             first = await self.queue.get()
-            await asyncio.sleep(self.engine.batch_wait_s)  # let concurrent callers join
+            try:
+                await asyncio.sleep(self.engine.batch_wait_s)  # let concurrent callers join
+            except asyncio.CancelledError:
+                self._abandon([first])
+                raise
             items = [first]
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
             taken = len(items)
-            items = [(r, f) for r, f in items if not f.done()]  # cancelled callers
+            gone = [r for r, f in items if f.done()]  # cancelled callers
+            items = [(r, f) for r, f in items if not f.done()]
             self.engine._count(queued=-(taken - len(items)))
+            self.engine._track(gone, live=False)
             if not items:
                 continue
             try:
@@ -771,6 +841,9 @@ class EmbeddedEngineActor:
     async def flush_cache(self) -> None:
         await self.engine.flush_cache()
 
+    async def abort_requests(self, rids: list[str]) -> None:
+        await self.engine.abort_requests(rids)
+
     async def health(self) -> bool:
         return await self.engine.health()
 
@@ -835,6 +908,9 @@ class RayEngine:
 
     async def flush_cache(self) -> None:
         await self.actor.flush_cache.remote()
+
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        await self.actor.abort_requests.remote(list(rids))
 
     async def health(self) -> bool:
         try:

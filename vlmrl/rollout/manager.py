@@ -79,6 +79,11 @@ class RolloutStats:
     failed_attempts: int = 0
     retries: int = 0
     engine_restarts: int = 0
+    # with `keep`: complete groups it refused; groups past the `need` kept ones that were
+    # no longer needed (finished or cancelled); requests stopped on their engine (abort)
+    rejected_groups: int = 0
+    surplus_groups: int = 0
+    aborted_requests: int = 0
     generated_tokens: int = 0
     truncated: int = 0
     seconds: float = 0.0
@@ -92,6 +97,8 @@ class RolloutStats:
         return {"prompts": self.prompts, "requests": self.requests, "completed_groups": self.completed_groups,
                 "dropped_groups": self.dropped_groups, "failed_attempts": self.failed_attempts,
                 "retries": self.retries, "engine_restarts": self.engine_restarts,
+                "rejected_groups": self.rejected_groups, "surplus_groups": self.surplus_groups,
+                "aborted_requests": self.aborted_requests,
                 "generated_tokens": self.generated_tokens, "truncated": self.truncated,
                 "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
@@ -100,6 +107,7 @@ class RolloutStats:
 class RolloutBatch:
     records: list[SampleRecord]
     stats: RolloutStats
+    rejected: list[SampleRecord] = field(default_factory=list)  # complete groups `keep` refused
 
     def groups(self) -> dict[int, list[SampleRecord]]:
         """Records by group (the prompt's position in the batch)."""
@@ -129,6 +137,9 @@ class _Group:
         self.position = position
         self.results: list[tuple[GenerateResult, str, int] | None] = [None] * n
         self.dropped = False
+        self.surplus = False  # past the groups a `need` asked for: cancelled or ignored
+        self.kept: bool | None = None  # decided once complete (`keep`)
+        self.records: list[SampleRecord] | None = None
         self.tasks: list[asyncio.Task] = []
 
 
@@ -171,6 +182,7 @@ class RolloutManager:
         self.return_routed_experts = bool(return_routed_experts)
         self._inflight = [0] * len(self.engines)
         self._rr = 0
+        self._aborts: list[asyncio.Future] = []  # abort calls of this generate, awaited at its end
         # request ids: unique per manager (train and eval managers share engines) and run
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}"
 
@@ -220,6 +232,21 @@ class RolloutManager:
                 stats.engine_restarts += 1
         return True
 
+    def _abort_later(self, engine: Engine, rid: str | None, stats: RolloutStats) -> None:
+        """Ask `engine` to stop request `rid` (its caller gave up on it), without waiting:
+        `generate` collects these calls before it returns."""
+        if rid is None or not hasattr(engine, "abort_requests"):
+            return
+        stats.aborted_requests += 1
+
+        async def abort() -> None:
+            try:
+                await engine.abort_requests([rid])
+            except Exception as e:  # noqa: BLE001 (best effort: the engine may be gone)
+                log.debug("abort of %s on %s failed: %s", rid, getattr(engine, "name", engine), e)
+
+        self._aborts.append(asyncio.ensure_future(abort()))
+
     async def _one(self, req: GenerateRequest, sem: asyncio.Semaphore, stats: RolloutStats,
                    locks: list[asyncio.Lock]) -> tuple[GenerateResult, str, int]:
         failed_on: set[int] = set()
@@ -230,18 +257,21 @@ class RolloutManager:
                 engine = self.engines[i]
                 incarnation = self._incarnation[i]
                 self._inflight[i] += 1
+                # a retry gets its own id: the engine may still hold the failed attempt's
+                sent = req if not attempt or req.rid is None else req.replace(rid=f"{req.rid}-r{attempt}")
                 try:
-                    # a retry gets its own id: the engine may still hold the failed attempt's
-                    call = engine.generate([req if not attempt or req.rid is None
-                                            else req.replace(rid=f"{req.rid}-r{attempt}")])
+                    call = engine.generate([sent])
                     if self.request_timeout_s:
                         call = asyncio.wait_for(call, self.request_timeout_s)
                     result = (await call)[0]
                     return result, engine.name, attempt + 1
                 except asyncio.CancelledError:
+                    self._abort_later(engine, sent.rid, stats)  # no longer needed: stop it there
                     raise
                 except Exception as e:  # noqa: BLE001
                     err = e
+                    if isinstance(e, asyncio.TimeoutError):
+                        self._abort_later(engine, sent.rid, stats)
                 finally:
                     self._inflight[i] -= 1
             stats.failed_attempts += 1
@@ -261,7 +291,20 @@ class RolloutManager:
 
     async def generate(self, prompts: Sequence[Any], *, n_samples: int | None = None,
                        sampling: SamplingParams | None = None, step: int = 0,
-                       description: str = "rollout") -> RolloutBatch:
+                       description: str = "rollout",
+                       keep: Callable[[list[SampleRecord]], Awaitable[bool]] | None = None,
+                       need: int | None = None, first_position: int = 0,
+                       seen: dict[int, int] | None = None) -> RolloutBatch:
+        """Generate `n` samples for each prompt (see the module docstring).
+
+        `keep` (async, given a complete group's records) decides, as each group completes,
+        whether the batch keeps it; refused groups come back in `rejected`. With `need`, the
+        batch is the first `need` kept groups in draw order: once every group up to the
+        `need`-th kept one is decided, the later groups are no longer needed, their requests
+        are cancelled and aborted on their engines (`stats.surplus_groups`,
+        `stats.aborted_requests`). `first_position` numbers this call's groups after those of
+        earlier calls of the same step, and `seen` (row -> draws so far in the step, updated)
+        carries the draws of earlier calls, so that a row drawn again gets new seeds and ids."""
         n = self.n_samples if n_samples is None else int(n_samples)
         base = sampling or self.sampling
         t0 = time.perf_counter()
@@ -270,10 +313,41 @@ class RolloutManager:
         locks = [asyncio.Lock() for _ in self.engines]  # one restart at a time per engine
         groups: list[_Group] = []
         progress, task_id = self._progress(description, len(prompts) * n)
+        self._aborts = []
+        enough = asyncio.Event()
+
+        def cut() -> int | None:
+            """The list index of the `need`-th kept group when every group up to it is decided."""
+            kept = 0
+            for k, g in enumerate(groups):
+                if g.kept is None and not g.dropped:
+                    return None
+                kept += bool(g.kept)
+                if need is not None and kept >= need:
+                    return k
+            return None
+
+        def stop_after(k: int) -> None:
+            for g in groups[k + 1:]:
+                g.surplus = True
+                for t in g.tasks:
+                    if not t.done():
+                        t.cancel()
+            enough.set()
+
+        async def decide(g: _Group) -> None:
+            g.records = self._records(g)
+            g.kept = True if keep is None else bool(await keep(g.records))
+            if need is not None and not enough.is_set():
+                k = cut()
+                if k is not None:
+                    stop_after(k)
 
         async def run(g: _Group, j: int, req: GenerateRequest) -> None:
             try:
                 g.results[j] = await self._one(req, sem, stats, locks)
+                if all(r is not None for r in g.results) and not g.surplus:
+                    await decide(g)
             except asyncio.CancelledError:
                 return
             except Exception as e:  # noqa: BLE001
@@ -285,18 +359,22 @@ class RolloutManager:
                     for t in g.tasks:
                         if t is not asyncio.current_task() and not t.done():
                             t.cancel()
+                    if need is not None and not enough.is_set():
+                        k = cut()
+                        if k is not None:
+                            stop_after(k)
             finally:
                 if progress is not None:
                     progress.advance(task_id)
 
-        seen: dict[int, int] = defaultdict(int)  # draws of each row so far in this batch
+        seen = seen if seen is not None else defaultdict(int)  # draws of each row so far in this step
         try:
-            for position, p in enumerate(prompts):
-                g = _Group(_as_prompt(p), n, position)
+            for offset, p in enumerate(prompts):
+                g = _Group(_as_prompt(p), n, first_position + offset)
                 groups.append(g)
                 index = int(g.prompt.index)
-                occurrence = seen[index]
-                seen[index] += 1
+                occurrence = seen.get(index, 0)
+                seen[index] = occurrence + 1
                 for j in range(n):
                     sp = base
                     if base.seed is None and not base.greedy:
@@ -306,10 +384,12 @@ class RolloutManager:
                         input_ids=g.prompt.prompt_ids,
                         images=tuple(g.prompt.images),
                         sampling=sp,
-                        rid=request_id(self.rid_prefix, step, position, index, j),
+                        rid=request_id(self.rid_prefix, step, g.position, index, j),
                         return_routed_experts=self.return_routed_experts,
                     )
                     g.tasks.append(asyncio.ensure_future(run(g, j, req)))
+            if need is not None and need <= 0:
+                stop_after(-1)
             await asyncio.gather(*(t for g in groups for t in g.tasks), return_exceptions=True)
         finally:
             if progress is not None:
@@ -318,42 +398,61 @@ class RolloutManager:
                 for t in g.tasks:
                     if not t.done():
                         t.cancel()
+            if self._aborts:  # the engines stop what nobody waits for any more
+                await asyncio.wait(self._aborts, timeout=30)
+                self._aborts = []
 
         records: list[SampleRecord] = []
+        rejected: list[SampleRecord] = []
         per_engine: dict[str, int] = defaultdict(int)
         for g in groups:
-            if g.dropped or any(r is None for r in g.results):
+            if g.surplus:
+                stats.surplus_groups += 1
+                continue
+            if g.dropped or g.records is None:
                 if not g.dropped:  # cancelled from outside: count it too
                     stats.dropped_groups += 1
                     stats.dropped_prompt_indices.append(int(g.prompt.index))
                 continue
-            stats.completed_groups += 1
-            for j, item in enumerate(g.results):
-                assert item is not None
-                res, engine_name, attempts = item
-                per_engine[engine_name] += 1
-                stats.generated_tokens += len(res.output_ids)
-                stats.truncated += int(res.truncated)
-                records.append(SampleRecord(
-                    prompt_index=int(g.prompt.index),
-                    sample_index=j,
-                    group_index=g.position,
-                    prompt_ids=res.prompt_ids if res.prompt_ids is not None else (
-                        list(g.prompt.prompt_ids) if g.prompt.prompt_ids is not None else None),
-                    response_ids=list(res.output_ids),
-                    text=res.text,
-                    logprobs=res.logprobs,
-                    finish_reason=res.finish_reason,
-                    truncated=res.truncated,
-                    answer=g.prompt.answer,
-                    engine=engine_name,
-                    attempts=attempts,
-                    weight_version=res.weight_version,
-                    routed_experts=res.routed_experts,
-                ))
+            for r in g.records:
+                per_engine[r.engine] += 1
+                stats.generated_tokens += len(r.response_ids)
+                stats.truncated += int(r.truncated)
+            if g.kept:
+                stats.completed_groups += 1
+                records.extend(g.records)
+            else:
+                stats.rejected_groups += 1
+                rejected.extend(g.records)
         stats.per_engine = dict(per_engine)
         stats.seconds = time.perf_counter() - t0
-        return RolloutBatch(records, stats)
+        return RolloutBatch(records, stats, rejected)
+
+    @staticmethod
+    def _records(g: _Group) -> list[SampleRecord]:
+        """A complete group's records, in sample order."""
+        out = []
+        for j, item in enumerate(g.results):
+            assert item is not None
+            res, engine_name, attempts = item
+            out.append(SampleRecord(
+                prompt_index=int(g.prompt.index),
+                sample_index=j,
+                group_index=g.position,
+                prompt_ids=res.prompt_ids if res.prompt_ids is not None else (
+                    list(g.prompt.prompt_ids) if g.prompt.prompt_ids is not None else None),
+                response_ids=list(res.output_ids),
+                text=res.text,
+                logprobs=res.logprobs,
+                finish_reason=res.finish_reason,
+                truncated=res.truncated,
+                answer=g.prompt.answer,
+                engine=engine_name,
+                attempts=attempts,
+                weight_version=res.weight_version,
+                routed_experts=res.routed_experts,
+            ))
+        return out
 
     def run(self, prompts: Sequence[Any], **kwargs: Any) -> RolloutBatch:
         """Synchronous `generate` (its own event loop; HTTP engines' connections are closed

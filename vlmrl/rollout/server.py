@@ -38,6 +38,9 @@ weight-update session, the text of the release precondition. Routes (as in SGLan
                                       session; begin while one is open and end while none is
                                       are refused (400) too. Elsewhere these paths are 404.
   POST|GET /release_memory_occupation, /resume_memory_occupation ({"tags": [...]}), /flush_cache
+  POST /abort_request                 {"rid": ...} | {"abort_all": true}: a queued request
+                                      finishes unrun, a running one at its next decode step,
+                                      with finish_reason {"type": "abort"}; unknown ids: 200
   GET  /health, /health_generate (both run one greedy token, as SGLang's do), /get_model_info,
        /model_info
   GET  /server_info                   {"version": the emulated release, "startup_time", ...}
@@ -394,6 +397,17 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
         await engine.flush_cache()
         return web.Response(text="Cache flushed.\n")
 
+    async def abort_request(request: web.Request) -> web.Response:
+        # SGLang's AbortReq: {"rid": ...} or {"abort_all": true}; an unknown id is no error
+        try:
+            body = await _json(request, generate_limit)
+        except EngineError as e:
+            return _error(str(e), e.status or 400, retryable=False)
+        rids = sorted(in_flight) if body.get("abort_all") else [str(body["rid"])] if body.get("rid") else []
+        if rids:
+            await engine.abort_requests(rids)
+        return web.Response(status=200)
+
     async def health_generate(request: web.Request) -> web.Response:
         # SGLang answers /health as /health_generate: one greedy token through the scheduler,
         # which dies when its memory is released (seen with 0.5.17); refused and counted here
@@ -443,6 +457,7 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
         app.router.add_route(method, "/release_memory_occupation", release)
         app.router.add_route(method, "/resume_memory_occupation", resume)
         app.router.add_route(method, "/flush_cache", flush)
+    app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/health", health_generate)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", model_info)

@@ -1,0 +1,151 @@
+"""One RL step's rollout: generate, score each group as it completes, keep the groups the
+filter keeps, and draw more prompts while too few are kept (dynamic sampling).
+
+With `algo.filter_groups=none` a step is one round: `rollout.batch_size` prompts, every
+complete group kept. With a filter (`equal_reward`: DAPO's dynamic sampling, which drops the
+groups whose rewards are all equal) the step wants `batch_size` kept groups:
+
+* a round draws ceil(missing x `oversample`) prompts and asks the rollout manager for the
+  first `missing` kept groups in draw order. As soon as those are complete, the later groups
+  are no longer needed: their requests are cancelled and aborted on the engines, not awaited.
+  Draw order, not completion order, decides which groups a step keeps, so a step's batch does
+  not depend on which engine was fastest;
+* rounds go on until the step has its groups, `max_rounds` rounds have run, or `max_prompts`
+  prompts are drawn. A step that hits a bound trains on what it has (`bound_hit`).
+
+Groups are scored as they complete (the reward pool works while the engines generate), and
+the scores are kept: the step's advantages and metrics use them, nothing is scored twice. A
+round's prompts come from `draw(n)`, so the data stream's position after the step counts every
+prompt drawn, used or not: a run resumed from a checkpoint draws the prompts it would have drawn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .manager import RolloutManager, RolloutStats, SampleRecord, close_sessions
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """How a step gathers its groups (`rollout.batch_size`, `oversample`, `max_rounds`,
+    `max_prompts`) and whether a filter decides which it keeps."""
+
+    batch_size: int
+    filtering: bool = False
+    oversample: float = 1.0
+    max_rounds: int = 1
+    max_prompts: int | None = None
+
+    @classmethod
+    def from_config(cls, rollout: Any, filter_groups: str) -> SamplingPlan:
+        return cls(batch_size=int(rollout.batch_size), filtering=filter_groups != "none",
+                   oversample=float(rollout.oversample), max_rounds=int(rollout.max_rounds),
+                   max_prompts=rollout.max_prompts)
+
+    @property
+    def prompt_budget(self) -> int:
+        """The most prompts a step draws."""
+        if self.max_prompts is not None:
+            return int(self.max_prompts)
+        return math.ceil(self.batch_size * self.oversample) * self.max_rounds
+
+    def round_size(self, missing: int, drawn: int) -> int:
+        """Prompts the next round draws when `missing` kept groups are still wanted."""
+        return max(0, min(math.ceil(missing * self.oversample), self.prompt_budget - drawn))
+
+
+@dataclass
+class StepRollout:
+    """What a step's rollout gathered. `records` are the kept groups' samples (group, then
+    sample order) with `rewards` beside them; `rejected` / `rejected_rewards` the complete groups
+    the filter dropped; `prompts` every prompt drawn, in draw order."""
+
+    prompts: list[Any]
+    records: list[SampleRecord]
+    rewards: list[float]
+    rejected: list[SampleRecord] = field(default_factory=list)
+    rejected_rewards: list[float] = field(default_factory=list)
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    rounds: int = 0
+    bound_hit: bool = False
+
+    @property
+    def kept_groups(self) -> int:
+        return len({r.group_index for r in self.records})
+
+    def metrics(self) -> dict[str, float]:
+        """The step's dynamic-sampling figures (`vlmrl.logging.keys`)."""
+        return {"rollout/kept_groups": float(self.kept_groups),
+                "rollout/filtered_groups": float(self.stats.rejected_groups),
+                "rollout/sampling_rounds": float(self.rounds),
+                "rollout/prompts_drawn": float(len(self.prompts)),
+                "rollout/surplus_groups": float(self.stats.surplus_groups),
+                "rollout/aborted_requests": float(self.stats.aborted_requests),
+                "rollout/sampling_bound_hit": float(self.bound_hit)}
+
+
+def _add(total: RolloutStats, part: RolloutStats) -> None:
+    for name in ("prompts", "requests", "completed_groups", "dropped_groups", "failed_attempts", "retries",
+                 "engine_restarts", "rejected_groups", "surplus_groups", "aborted_requests", "generated_tokens",
+                 "truncated"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    total.seconds += part.seconds
+    total.dropped_prompt_indices.extend(part.dropped_prompt_indices)
+    for k, v in part.per_engine.items():
+        total.per_engine[k] = total.per_engine.get(k, 0) + v
+
+
+async def sample_step(manager: RolloutManager, draw: Callable[[int], Sequence[Any]],
+                      score: Callable[[list[SampleRecord]], list[float]],
+                      keeps: Callable[[list[float]], bool], plan: SamplingPlan, *, step: int) -> StepRollout:
+    """Gather a step's groups (see the module docstring). `draw(n)` gives the next n prompts
+    (as the rollout manager takes them), `score(records)` one group's rewards (blocking: it
+    runs in a worker thread), `keeps(rewards)` the filter's verdict."""
+    scores: dict[int, list[float]] = {}  # group position -> rewards
+
+    async def keep(records: list[SampleRecord]) -> bool:
+        rewards = [float(x) for x in await asyncio.to_thread(score, records)]
+        scores[records[0].group_index] = rewards
+        return keeps(rewards) if plan.filtering else True
+
+    out = StepRollout(prompts=[], records=[], rewards=[])
+    seen: dict[int, int] = {}
+    while True:
+        missing = plan.batch_size - out.kept_groups
+        size = plan.round_size(missing, len(out.prompts))
+        if size <= 0:
+            break
+        prompts = list(draw(size))
+        batch = await manager.generate(prompts, step=step, keep=keep, need=missing if plan.filtering else None,
+                                       first_position=len(out.prompts), seen=seen)
+        out.prompts.extend(prompts)
+        out.rounds += 1
+        _add(out.stats, batch.stats)
+        out.records.extend(batch.records)
+        out.rejected.extend(batch.rejected)
+        if not plan.filtering or out.kept_groups >= plan.batch_size:
+            break
+        if out.rounds >= plan.max_rounds or len(out.prompts) >= plan.prompt_budget:
+            break
+    out.bound_hit = plan.filtering and out.kept_groups < plan.batch_size
+    out.rewards = [scores[r.group_index][r.sample_index] for r in out.records]
+    out.rejected_rewards = [scores[r.group_index][r.sample_index] for r in out.rejected]
+    return out
+
+
+def run_step(manager: RolloutManager, draw: Callable[[int], Sequence[Any]],
+             score: Callable[[list[SampleRecord]], list[float]], keeps: Callable[[list[float]], bool],
+             plan: SamplingPlan, *, step: int) -> StepRollout:
+    """`sample_step` on its own event loop (the engines' HTTP sessions close with it)."""
+    async def go() -> StepRollout:
+        try:
+            return await sample_step(manager, draw, score, keeps, plan, step=step)
+        finally:
+            await close_sessions(manager.engines)
+
+    return asyncio.run(go())
