@@ -318,8 +318,12 @@ class Loop:
         return out
 
     def _phase(self, name: str) -> None:
-        """Colocated: move device memory to phase `name` (see vlmrl.cluster.colocation)."""
+        """Colocated: move device memory to phase `name` (see vlmrl.cluster.colocation). Before
+        generating, engines that came back from a restart in a memory move get the trainer's
+        weights."""
         if self.colo is not None:
+            if name == "generate" and self.colo.weights_stale and self.engine_version is not None:
+                self._sync_weights(self.engine_version + "+", reset_links=self.engine_group.http)
             self.colo.to(name)
 
     def _need_trainer(self) -> None:
@@ -328,12 +332,15 @@ class Loop:
         if self.colo is not None and not self.colo.now.trainer:
             self.colo.to("sync")
 
-    def _sync_weights(self, version: str) -> float:
+    def _sync_weights(self, version: str, *, reset_links: bool = False) -> float:
+        """The trainer's weights to every engine (`reset_links`: an engine behind a URL was
+        restarted, so the transport's links to it are new)."""
         self._phase("sync")
         t0 = time.perf_counter()
         bucket = max(int(self.cfg.rollout.weight_update_bucket_mb), 1) << 20
         self.last_sync_bytes = int(self.trainer.sync_weights(self.engine_group.sync_targets, bucket_bytes=bucket,
-                                                             weight_version=version, api_key=self.engine_key) or 0)
+                                                             weight_version=version, reset_links=reset_links,
+                                                             api_key=self.engine_key) or 0)
         seconds = time.perf_counter() - t0
         self.last_sync_phases = self.trainer.sync_phases()  # read after the clock: not part of the sync
         self.engine_version = version  # every sample generated from now on should report it
@@ -492,7 +499,7 @@ class Loop:
             **mk.sync_phase_metrics(self.last_sync_phases),
             "rollout/dropped_groups": batch.stats.dropped_groups,
             "rollout/retries": batch.stats.retries,
-            "rollout/engine_restarts": batch.stats.engine_restarts,
+            "rollout/engine_restarts": batch.stats.engine_restarts + (self.colo.take_restarts() if self.colo else 0),
             "rollout/stale_samples": stale,
             "rollout/prompt_mismatch_samples": skipped["prompt_mismatch"],
             "rollout/bad_routed_experts_samples": skipped["bad_routed_experts"] + skipped["no_routed_experts"],

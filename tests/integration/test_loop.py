@@ -209,23 +209,33 @@ def test_loop_with_model_parallel_trainer(tmp_path, cache_dir, layout):
     assert find_latest(tmp_path / "checkpoints") is not None
 
 
-def test_colocated_loop_order(tmp_path, cache_dir):
+def test_colocated_loop_order(tmp_path, cache_dir, monkeypatch):
     """The colocated step's order: engines release weights and KV cache before training,
     take the weights back for the sync and the KV cache after it. The embedded engine
     refuses weight updates while its weights are released and generation while anything
     is, so a wrong order fails the run. Colocation is a GPU mode (the config rules refuse
-    it with hardware=cpu); this run skips the rules to drive the same loop code on CPU."""
+    it with hardware=cpu); this run skips the rules to drive the same loop code on CPU.
+
+    The engine's process dies (SIGKILL) in its second memory release, as SGLang's scheduler
+    has: the group restarts it, makes it give back what the others gave back, and the loop
+    syncs it the trainer's weights before it generates again, so every later sample still
+    matches the trainer's logprobs; the restart is counted."""
     from vlmrl.config import load
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
+    from vlmrl.rollout.faults import KILL_ENGINE_ON_RELEASE_ENV
 
-    cfg = load([f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}", *SHORT, "save_hf=false",
+    marker = tmp_path / "killed-in-release"
+    monkeypatch.setenv(KILL_ENGINE_ON_RELEASE_ENV, f"2:{marker}")
+    cfg = load([f"run_dir={tmp_path / 'run'}", f"model.cache_dir={cache_dir}", *SHORT, "save_hf=false",
                 "cluster.colocate=true"], check_rules=False)
     assert cfg.cluster.colocate
     summary = train(cfg)
+    assert marker.exists()  # the engine did die in a release
     assert summary["rl_steps"] == 2
-    rl = [r for r in read_metrics(tmp_path) if "rl_step" in r]
+    rl = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
+    assert sum(r["rollout/engine_restarts"] for r in rl) == 1, rl
 
 
 RECIPE_ON_CPU = ["experiment=geo3k_qwen35", "model=tiny_qwen3_5_moe", "hardware=cpu", "rollout=embedded",

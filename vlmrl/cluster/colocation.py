@@ -10,6 +10,10 @@ A colocated step moves through phases, each with its own tenants:
               sync overwrites; KV cache and CUDA graphs come back after it, once the sync's
               buffers are gone
 
+An engine whose process dies in a release or resume is restarted by the engine group, which
+makes it hold what the others hold; it comes back with the start checkpoint's weights, so the
+engines count as stale until the next sync, which the loop makes before they generate.
+
 `plan(now, target)` is the pure part: the calls that move from one residency to another, the
 ones that free memory first (engine releases, the trainer's offload, and a trim: the trainer
 gives torch's cached free blocks back to the device where it stays while engines take memory),
@@ -89,15 +93,19 @@ class Colocation:
     its peak-memory statistics at each of its moves, so that a phase's measured peak begins
     where the phase's residency does (`vlmrl.config.memory.measured_phase_peak`)."""
 
-    release: Callable[[tuple[str, ...]], None]
-    resume: Callable[[tuple[str, ...]], None]
+    release: Callable[[tuple[str, ...]], Any]  # returns the engines it restarted (or None)
+    resume: Callable[[tuple[str, ...]], Any]
     trainer: Any = None  # TrainerGroup; None until it exists (its state is then on the GPU)
     offload: bool = False
     now: Residency = field(default_factory=lambda: Residency(ALL_TAGS, trainer=False))
     seconds: dict[str, float] = field(default_factory=dict)
     moved_bytes: dict[str, float] = field(default_factory=dict)
-    # the engines' weights were released since the last sync: they hold nothing usable
+    # the engines' weights were released since the last sync, or an engine restarted in a move
+    # (it holds the start checkpoint's): they hold nothing usable
     weights_stale: bool = False
+    # engines restarted because their process died in a release or resume (`release` and
+    # `resume` return the indices of those they restarted)
+    restarts: int = 0
 
     def to(self, name: str) -> None:
         """Move to phase `name` (a no-op when already there)."""
@@ -110,12 +118,15 @@ class Colocation:
         for kind, tags in plan(self.now, target):
             t0 = time.perf_counter()
             if kind == "release":
-                self.release(tags)
+                restarted = self.release(tags)
                 self.now = Residency(self.now.engine - set(tags), self.now.trainer)
-                self.weights_stale = self.weights_stale or "weights" in tags
+                self.weights_stale = self.weights_stale or "weights" in tags or bool(restarted)
+                self.restarts += len(restarted or ())
             elif kind == "resume":
-                self.resume(tags)
+                restarted = self.resume(tags)
                 self.now = Residency(self.now.engine | set(tags), self.now.trainer)
+                self.weights_stale = self.weights_stale or bool(restarted)
+                self.restarts += len(restarted or ())
             else:
                 figures = getattr(self.trainer, kind)()
                 self.moved_bytes[kind] = self.moved_bytes.get(kind, 0.0) + float((figures or {}).get("bytes", 0))
@@ -133,4 +144,8 @@ class Colocation:
 
     def take_seconds(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}
+        return out
+
+    def take_restarts(self) -> int:
+        out, self.restarts = self.restarts, 0
         return out

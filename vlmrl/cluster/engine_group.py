@@ -23,6 +23,7 @@ from typing import Any
 from ..config.layout import embedded_engine_device, engine_bind_host, returns_routed_experts
 from ..config.schema import VlmrlConfig
 from ..rollout.manager import close_sessions
+from ..rollout.protocol import MEMORY_TAGS
 from .placement import Placement, available_cores, cpu_threads
 
 
@@ -40,6 +41,9 @@ class EngineGroup:
         self.admin: list[Any] = []
         self.sync_targets: list[Any] = []
         self.restarts = 0
+        # the memory tags every engine holds (colocated moves: `release`, `resume`); a new
+        # engine holds them all
+        self.resident: set[str] = set(MEMORY_TAGS)
 
     # ------------------------------------------------------------ start and stop
     def start(self) -> None:
@@ -172,16 +176,60 @@ class EngineGroup:
 
         asyncio.run(call_all())
 
-    def release(self, tags: Sequence[str]) -> None:
+    def release(self, tags: Sequence[str]) -> list[int]:
         """Engines give back `tags` (each drains its requests first); a router in front of
-        them stops taking requests too."""
+        them stops taking requests too. Returns the engines restarted on the way (`_move`)."""
         for e in self.generation:
             if e not in self.admin and hasattr(e, "hold"):
                 e.hold(tuple(tags))
-        self.call("release_memory_occupation", list(tags))
+        restarted = self._move("release_memory_occupation", tags, self.resident - set(tags))
+        self.resident -= set(tags)
+        return restarted
 
-    def resume(self, tags: Sequence[str]) -> None:
-        self.call("resume_memory_occupation", list(tags))
+    def resume(self, tags: Sequence[str]) -> list[int]:
+        restarted = self._move("resume_memory_occupation", tags, self.resident | set(tags))
+        self.resident |= set(tags)
         for e in self.generation:
             if e not in self.admin and hasattr(e, "unhold"):
                 e.unhold(tuple(tags))
+        return restarted
+
+    def _move(self, method: str, tags: Sequence[str], after: set[str]) -> list[int]:
+        """`method(tags)` on every engine. An engine whose process died in it (it no longer
+        answers its health check: SGLang's scheduler has died in a release) is restarted and
+        made to hold what the others hold after the move (`after`): it comes back holding all
+        its memory and the start checkpoint's weights. Returns the restarted engines, whose
+        weights the loop must sync before they generate; any other failure is raised."""
+        async def one(i: int, e: Any) -> tuple[int, BaseException] | None:
+            try:
+                await getattr(e, method)(list(tags))
+                return None
+            except Exception as err:  # noqa: BLE001
+                if not self.can_restart or await _answers(e):
+                    raise
+                return i, err
+
+        async def move_all() -> list[tuple[int, BaseException] | None]:
+            try:
+                return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(self.admin))))
+            finally:
+                await close_sessions(self.admin)
+
+        dead = [d for d in asyncio.run(move_all()) if d is not None]
+        for i, err in dead:
+            print(f"engine {i} died in {method} ({type(err).__name__}: {err}); restarting it")
+            self.restart_process(i)
+            drop = [t for t in MEMORY_TAGS if t not in after]
+            if drop:
+                self.call("release_memory_occupation", drop, only=i)
+        return [i for i, _ in dead]
+
+
+async def _answers(engine: Any, timeout_s: float = 10.0) -> bool:
+    """Whether the engine's process answers: `alive()` where the client has it (an embedded
+    engine's health is false while its memory is released), else its health check."""
+    try:
+        probe = getattr(engine, "alive", None) or engine.health
+        return bool(await asyncio.wait_for(probe(), timeout_s))
+    except Exception:  # noqa: BLE001 (no answer is no health)
+        return False

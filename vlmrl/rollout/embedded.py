@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .faults import KillSwitch
+from .faults import KILL_ENGINE_ON_RELEASE_ENV, KillSwitch
 from .protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -212,6 +212,7 @@ class EmbeddedEngine:
         self.weight_version = "0"
         self.released_tags: set[str] = set()  # memory given up (colocated training)
         self.kill_switch = KillSwitch.from_env()
+        self.release_kill_switch = KillSwitch.from_env(KILL_ENGINE_ON_RELEASE_ENV)
         self._lock = threading.Lock()  # one batch (or weight update) at a time
         self._prompt_cache: OrderedDict[Any, _Prepared] = OrderedDict()
         self._prompt_cache_size = int(prompt_cache_size)
@@ -667,6 +668,8 @@ class EmbeddedEngine:
         return bool(self.released_tags)
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        if self.release_kill_switch is not None:  # fault injection (vlmrl.rollout.faults), tests only
+            self.release_kill_switch.count(1)
         await asyncio.to_thread(self._release, memory_tags(tags))
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
@@ -916,6 +919,14 @@ class RayEngine:
         try:
             return bool(await self.actor.health.remote())
         except Exception:  # noqa: BLE001 (a dead actor is unhealthy)
+            return False
+
+    async def alive(self) -> bool:
+        """Whether the actor's process answers (whatever its memory state)."""
+        try:
+            await self.actor.placement.remote()
+            return True
+        except Exception:  # noqa: BLE001
             return False
 
     async def close(self) -> None:

@@ -2,9 +2,11 @@
 
 `VLMRL_FAULT_KILL_ENGINE="<n>:<marker file>"` in the environment of an embedded engine's
 process makes it kill itself with SIGKILL (no cleanup, as an out-of-memory kill or a node
-failure would) when its n-th generate request arrives, with requests still in flight. It
-does so once: it writes the marker file first, and a restarted engine that finds the file
-lives on. Unset, nothing happens.
+failure would) when its n-th generate request arrives, with requests still in flight.
+`VLMRL_FAULT_KILL_ENGINE_ON_RELEASE="<n>:<marker file>"` does the same at its n-th
+release_memory_occupation call, before releasing anything (SGLang's scheduler has died there:
+bench/results/learning-precision.md). Each does so once: it writes the marker file first, and
+a restarted engine that finds the file lives on. Unset, nothing happens.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 from pathlib import Path
 
 KILL_ENGINE_ENV = "VLMRL_FAULT_KILL_ENGINE"
+KILL_ENGINE_ON_RELEASE_ENV = "VLMRL_FAULT_KILL_ENGINE_ON_RELEASE"
 
 
 class KillSwitch:
@@ -23,13 +26,13 @@ class KillSwitch:
         self.after, self.marker, self.seen = int(after), Path(marker), 0
 
     @classmethod
-    def from_env(cls) -> KillSwitch | None:
-        spec = os.environ.get(KILL_ENGINE_ENV)
+    def from_env(cls, var: str = KILL_ENGINE_ENV) -> KillSwitch | None:
+        spec = os.environ.get(var)
         if not spec:
             return None
         after, _, marker = spec.partition(":")
         if not after.isdigit() or not marker:
-            raise ValueError(f"{KILL_ENGINE_ENV}={spec!r}: expected '<requests>:<marker file>'")
+            raise ValueError(f"{var}={spec!r}: expected '<count>:<marker file>'")
         return None if Path(marker).exists() else cls(int(after), Path(marker))
 
     def count(self, requests: int) -> None:
