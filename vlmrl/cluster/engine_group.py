@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config.layout import embedded_engine_device, engine_bind_host, returns_routed_experts
 from ..config.schema import VlmrlConfig
-from ..rollout.manager import close_sessions
+from ..rollout.manager import close_sessions, engine_answers
 from ..rollout.protocol import MEMORY_TAGS
 from .placement import Placement, available_cores, cpu_threads
 
@@ -205,7 +205,7 @@ class EngineGroup:
                 await getattr(e, method)(list(tags))
                 return None
             except Exception as err:  # noqa: BLE001
-                if not self.can_restart or await _answers(e):
+                if not self.can_restart or await engine_answers(e, alive=True):
                     raise
                 return i, err
 
@@ -224,12 +224,3 @@ class EngineGroup:
                 self.call("release_memory_occupation", drop, only=i)
         return [i for i, _ in dead]
 
-
-async def _answers(engine: Any, timeout_s: float = 10.0) -> bool:
-    """Whether the engine's process answers: `alive()` where the client has it (an embedded
-    engine's health is false while its memory is released), else its health check."""
-    try:
-        probe = getattr(engine, "alive", None) or engine.health
-        return bool(await asyncio.wait_for(probe(), timeout_s))
-    except Exception:  # noqa: BLE001 (no answer is no health)
-        return False

@@ -22,6 +22,7 @@ prompt drawn, used or not: a run resumed from a checkpoint draws the prompts it 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,14 +91,14 @@ class StepRollout:
 
 
 def _add(total: RolloutStats, part: RolloutStats) -> None:
-    for name in ("prompts", "requests", "completed_groups", "dropped_groups", "failed_attempts", "retries",
-                 "engine_restarts", "rejected_groups", "surplus_groups", "aborted_requests", "generated_tokens",
-                 "truncated"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
-    total.seconds += part.seconds
-    total.dropped_prompt_indices.extend(part.dropped_prompt_indices)
-    for k, v in part.per_engine.items():
-        total.per_engine[k] = total.per_engine.get(k, 0) + v
+    """`part`'s counts, lists and per-engine counts added into `total` (a step's rounds)."""
+    for f in dataclasses.fields(RolloutStats):
+        mine, theirs = getattr(total, f.name), getattr(part, f.name)
+        if isinstance(mine, dict):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        else:
+            setattr(total, f.name, mine + theirs)
 
 
 async def sample_step(manager: RolloutManager, draw: Callable[[int], Sequence[Any]],

@@ -182,7 +182,6 @@ class RolloutManager:
         self.return_routed_experts = bool(return_routed_experts)
         self._inflight = [0] * len(self.engines)
         self._rr = 0
-        self._aborts: list[asyncio.Future] = []  # abort calls of this generate, awaited at its end
         # request ids: unique per manager (train and eval managers share engines) and run
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}"
 
@@ -222,7 +221,7 @@ class RolloutManager:
         others find a newer incarnation). True when the engine is (again) usable."""
         if self.restart_engine is None:
             return False
-        if await _healthy(self.engines[i]):
+        if await engine_answers(self.engines[i]):
             return False  # the engine is up: an ordinary failure, retried as such
         async with locks[i]:
             if self._incarnation[i] == incarnation:
@@ -232,9 +231,10 @@ class RolloutManager:
                 stats.engine_restarts += 1
         return True
 
-    def _abort_later(self, engine: Engine, rid: str | None, stats: RolloutStats) -> None:
-        """Ask `engine` to stop request `rid` (its caller gave up on it), without waiting:
-        `generate` collects these calls before it returns."""
+    @staticmethod
+    def _abort_later(engine: Engine, rid: str | None, stats: RolloutStats, aborts: list[asyncio.Future]) -> None:
+        """Ask `engine` to stop request `rid` (its caller gave up on it), without waiting: the
+        call joins `aborts`, which `generate` awaits before it returns."""
         if rid is None or not hasattr(engine, "abort_requests"):
             return
         stats.aborted_requests += 1
@@ -245,10 +245,10 @@ class RolloutManager:
             except Exception as e:  # noqa: BLE001 (best effort: the engine may be gone)
                 log.debug("abort of %s on %s failed: %s", rid, getattr(engine, "name", engine), e)
 
-        self._aborts.append(asyncio.ensure_future(abort()))
+        aborts.append(asyncio.ensure_future(abort()))
 
     async def _one(self, req: GenerateRequest, sem: asyncio.Semaphore, stats: RolloutStats,
-                   locks: list[asyncio.Lock]) -> tuple[GenerateResult, str, int]:
+                   locks: list[asyncio.Lock], aborts: list[asyncio.Future]) -> tuple[GenerateResult, str, int]:
         failed_on: set[int] = set()
         attempt = 0
         while True:
@@ -266,12 +266,12 @@ class RolloutManager:
                     result = (await call)[0]
                     return result, engine.name, attempt + 1
                 except asyncio.CancelledError:
-                    self._abort_later(engine, sent.rid, stats)  # no longer needed: stop it there
+                    self._abort_later(engine, sent.rid, stats, aborts)  # no longer needed: stop it there
                     raise
                 except Exception as e:  # noqa: BLE001
                     err = e
                     if isinstance(e, asyncio.TimeoutError):
-                        self._abort_later(engine, sent.rid, stats)
+                        self._abort_later(engine, sent.rid, stats, aborts)
                 finally:
                     self._inflight[i] -= 1
             stats.failed_attempts += 1
@@ -313,7 +313,7 @@ class RolloutManager:
         locks = [asyncio.Lock() for _ in self.engines]  # one restart at a time per engine
         groups: list[_Group] = []
         progress, task_id = self._progress(description, len(prompts) * n)
-        self._aborts = []
+        aborts: list[asyncio.Future] = []  # abort calls of this batch, awaited before it returns
         enough = asyncio.Event()
 
         def cut() -> int | None:
@@ -335,17 +335,20 @@ class RolloutManager:
                         t.cancel()
             enough.set()
 
-        async def decide(g: _Group) -> None:
-            g.records = self._records(g)
-            g.kept = True if keep is None else bool(await keep(g.records))
+        def stop_if_enough() -> None:
             if need is not None and not enough.is_set():
                 k = cut()
                 if k is not None:
                     stop_after(k)
 
+        async def decide(g: _Group) -> None:
+            g.records = self._records(g)
+            g.kept = True if keep is None else bool(await keep(g.records))
+            stop_if_enough()
+
         async def run(g: _Group, j: int, req: GenerateRequest) -> None:
             try:
-                g.results[j] = await self._one(req, sem, stats, locks)
+                g.results[j] = await self._one(req, sem, stats, locks, aborts)
                 if all(r is not None for r in g.results) and not g.surplus:
                     await decide(g)
             except asyncio.CancelledError:
@@ -359,10 +362,7 @@ class RolloutManager:
                     for t in g.tasks:
                         if t is not asyncio.current_task() and not t.done():
                             t.cancel()
-                    if need is not None and not enough.is_set():
-                        k = cut()
-                        if k is not None:
-                            stop_after(k)
+                    stop_if_enough()
             finally:
                 if progress is not None:
                     progress.advance(task_id)
@@ -398,9 +398,8 @@ class RolloutManager:
                 for t in g.tasks:
                     if not t.done():
                         t.cancel()
-            if self._aborts:  # the engines stop what nobody waits for any more
-                await asyncio.wait(self._aborts, timeout=30)
-                self._aborts = []
+            if aborts:  # the engines stop what nobody waits for any more
+                await asyncio.wait(aborts, timeout=30)
 
         records: list[SampleRecord] = []
         rejected: list[SampleRecord] = []
@@ -490,9 +489,13 @@ class RolloutManager:
         await asyncio.gather(*(e.resume_memory_occupation(tags) for e in self.engines))
 
 
-async def _healthy(engine: Any, timeout_s: float = 10.0) -> bool:
+async def engine_answers(engine: Any, *, alive: bool = False, timeout_s: float = 10.0) -> bool:
+    """Whether the engine answers its health check; with `alive`, whether its process answers
+    at all, where the client can tell (an embedded engine is unhealthy while its memory is
+    released, and alive). No answer in `timeout_s` is no."""
+    probe = getattr(engine, "alive", None) if alive else None
     try:
-        return bool(await asyncio.wait_for(engine.health(), timeout_s))
+        return bool(await asyncio.wait_for((probe or engine.health)(), timeout_s))
     except Exception:  # noqa: BLE001 (no answer is unhealthy)
         return False
 
