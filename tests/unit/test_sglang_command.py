@@ -125,6 +125,39 @@ def test_servers_load_vlmrls_weight_loader_from_its_own_folder(tmp_path):
                    check=True, timeout=120)
 
 
+def test_servers_find_vlmrls_sglang_plugin_as_sglang_discovers_plugins(tmp_path):
+    """The plugin folder declares one entry point in SGLang's general-plugin group, which
+    `importlib.metadata.entry_points` (what SGLang's `load_plugins` reads) finds from the
+    server's PYTHONPATH alone and which loads without vlmrl; its hook target names a method of
+    SGLang's memory-saver adapter, which the hook runs before. A user's SGLANG_PLUGINS
+    allow-list gets vlmrl's name added, never replaced."""
+    import json
+    import subprocess
+    import sys
+
+    from vlmrl.rollout.sglang import SGLangServerActor
+    from vlmrl.rollout.sglang_plugin import HOOKS, PLUGIN_DIR
+
+    probe = ("import json, sys; from importlib.metadata import entry_points; "
+             "eps = [e for e in entry_points(group='sglang.srt.plugins')]; "
+             "fn = eps[0].load(); import vlmrl_sglang_hooks as h; "
+             "h.synchronize_before_pause(object(), 'kv_cache'); "
+             "assert not [m for m in sys.modules if m.split('.')[0] == 'vlmrl'], 'imported vlmrl'; "
+             "print(json.dumps({'eps': [[e.name, e.value] for e in eps], 'dist': eps[0].dist.name, "
+             "'callable': callable(fn), 'target': h.PAUSE_TARGET}))")
+    out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path[:0] = [{PLUGIN_DIR!r}]; {probe}"],
+                         check=True, timeout=120, capture_output=True, text=True).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["eps"] == [[HOOKS, f"{HOOKS}:register"]] and found["callable"]
+    assert found["dist"] == "vlmrl-sglang-hooks"
+    module, cls, method = found["target"].rsplit(".", 2)
+    assert module == "sglang.srt.utils.torch_memory_saver_adapter" and method == "pause"
+    actor = SGLangServerActor((0,), log_path=str(tmp_path / "log"), env={"SGLANG_PLUGINS": "theirs"})
+    assert actor._env()["SGLANG_PLUGINS"] == f"theirs,{HOOKS}"
+    actor = SGLangServerActor((0,), log_path=str(tmp_path / "log"), env={"SGLANG_PLUGINS": ""})
+    assert actor._env()["SGLANG_PLUGINS"] == ""  # no allow-list: SGLang loads every plugin it finds
+
+
 def test_hardware_backends_differ():
     h200 = server_args(_cfg("h200").rollout, _cfg("h200").hardware, _cfg("h200").model, port=1)
     b200 = server_args(_cfg("b200").rollout, _cfg("b200").hardware, _cfg("b200").model, port=1)

@@ -17,7 +17,9 @@ dtype, enable_memory_saver when colocated) and merges `rollout.sglang.server_arg
 verbatim; every key must be a ServerArgs field. With `rollout.sglang.weight_loader=vlmrl`
 (the default) the server also loads vlmrl's weight loader (`--custom-weight-loader
 vlmrl_sglang_loader.load_weights`, from `vlmrl/rollout/sglang_plugin`, put on the server's
-PYTHONPATH), which the colocated sync names. `server_command` turns the dict into
+PYTHONPATH), which the colocated sync names. The same folder holds vlmrl's SGLang plugin
+(`vlmrl_sglang_hooks`: the device synchronizes before a memory release unmaps a region),
+which SGLang loads in every server process. `server_command` turns the dict into
 `python -m sglang.launch_server --foo-bar v ...` (True booleans as bare flags). Values of
 fields with a fixed set of choices in SGLang's source are checked against them.
 `SGLangServerActor` starts that command on its engine slot's GPUs (CUDA_VISIBLE_DEVICES)
@@ -53,7 +55,7 @@ from ..contracts.sglang_server import SERVER_ENV, SGLANG_KEY_ARGS, VLM_CACHE_ENV
 from .auth import redact
 from .manager import close_sessions
 from .processes import ManagedProcess, wait_port_free
-from .sglang_plugin import LOADER, PLUGIN_DIR
+from .sglang_plugin import HOOKS, LOADER, PLUGIN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +228,12 @@ class SGLangServerActor:
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, **SERVER_ENV, **self.extra_env}
-        # vlmrl's weight loader (`--custom-weight-loader`): its folder alone, after the server's own path
+        # vlmrl's weight loader (`--custom-weight-loader`) and SGLang plugin: their folder alone, after
+        # the server's own path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), PLUGIN_DIR) if p)
+        allowed = [x.strip() for x in env.get("SGLANG_PLUGINS", "").split(",") if x.strip()]
+        if allowed and HOOKS not in allowed:  # the user's allow-list of SGLang plugins, plus vlmrl's
+            env["SGLANG_PLUGINS"] = ",".join([*allowed, HOOKS])
         return {**env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
 
     def node_ip(self) -> str:
