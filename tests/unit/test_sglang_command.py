@@ -322,3 +322,32 @@ def test_routed_experts_are_asked_for_and_read_in_sglang_form():
         decode_routed_experts("@@@", tokens=1, layers=1, topk=1)
     with pytest.raises(ValueError, match="whole number of int32"):
         decode_routed_experts("AAA=", tokens=1, layers=1, topk=1)
+
+
+def test_values_that_start_with_a_dash_reach_sglangs_argparse_intact():
+    """A run key is url-safe base64, so one in 64 starts with "-": SGLang's argparse read
+    `--api-key -x...` as a flag and the server refused to start (seen on the H100,
+    2026-12-06). Such values are joined to their flag; argparse, built with the same flag
+    kinds, reads them back, and the log shows no key."""
+    import argparse
+
+    from vlmrl.rollout.auth import redact
+    from vlmrl.rollout.sglang import load_flags, to_cli
+
+    flags = load_flags()
+    key = "-Zk" + "q" * 40
+    args = {"model_path": "/m", "api_key": key, "admin_api_key": key, "random_seed": -3, "port": 30000,
+            "enable_memory_saver": True}
+    argv = to_cli(args, flags)
+    parser = argparse.ArgumentParser()
+    for name in args:
+        info = flags.check(name)
+        if info.kind == "bool":
+            parser.add_argument(info.cli, action="store_true")
+        else:
+            parser.add_argument(info.cli)
+    parsed = vars(parser.parse_args(argv))
+    assert parsed["api_key"] == key and parsed["admin_api_key"] == key and parsed["random_seed"] == "-3"
+    assert parsed["port"] == "30000" and parsed["enable_memory_saver"] is True
+    shown = " ".join(redact(argv))
+    assert key not in shown and "--api-key=***" in shown and "--admin-api-key=***" in shown

@@ -74,9 +74,13 @@ def authorized(path: str, header: str | None, key: str | None) -> bool:
 
 
 def redact(cmd: Sequence[str]) -> list[str]:
-    """A command line fit for a log: the value after each key flag replaced by ***."""
+    """A command line fit for a log: the value of each key flag (`--flag value` or
+    `--flag=value`) replaced by ***."""
     out = list(cmd)
-    for i, arg in enumerate(out[:-1]):
-        if arg in _SECRET_FLAGS:
+    for i, arg in enumerate(out):
+        flag, eq, _ = arg.partition("=")
+        if eq and flag in _SECRET_FLAGS:
+            out[i] = f"{flag}=***"
+        elif arg in _SECRET_FLAGS and i + 1 < len(out):
             out[i + 1] = "***"
     return out

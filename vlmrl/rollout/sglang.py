@@ -139,7 +139,8 @@ def server_args(
 
 def to_cli(args: dict[str, Any], flags: SGLangFlags | None = None) -> list[str]:
     """`{"foo_bar": v}` -> `["--foo-bar", "v"]` with SGLang's own flag spelling; True
-    booleans become bare flags, False / None are left out; lists expand; dicts as JSON."""
+    booleans become bare flags, False / None are left out; lists expand; dicts as JSON; a
+    value that starts with "-" is joined to its flag (`--api-key=-k...`)."""
     flags = flags or load_flags()
     out: list[str] = []
     for name, value in args.items():
@@ -159,6 +160,8 @@ def to_cli(args: dict[str, Any], flags: SGLangFlags | None = None) -> list[str]:
                 out += [info.cli, json.dumps(list(value))]
         elif isinstance(value, dict):
             out += [info.cli, json.dumps(value)]
+        elif str(value).startswith("-"):  # argparse would read "-x..." (a key, a negative number) as a flag
+            out.append(f"{info.cli}={value}")
         else:
             out += [info.cli, str(value)]
     return out
