@@ -72,6 +72,11 @@ check-wheel: setup ## build the wheel, install it in a fresh venv outside the ch
 		| grep -q "name: qwen3_5_35b_a3b"
 	cd $(WHEEL_CHECK) && venv/bin/vlmrl-train -m reward=math,geo3k_tol05,geo3k_strict dry_run=true \
 		| grep -c "# dry run: valid" | grep -qx 3
+	@# the folder put on SGLang's PYTHONPATH declares vlmrl's SGLang plugin from the installed wheel too
+	cd $(WHEEL_CHECK) && PYTHONPATH=$$(venv/bin/python -c "from vlmrl.rollout.sglang_plugin import PLUGIN_DIR; print(PLUGIN_DIR)") \
+		$(PYTHON) -I -c "import sys, os; sys.path[:0] = os.environ['PYTHONPATH'].split(':'); \
+		from importlib.metadata import entry_points; \
+		assert [e.value for e in entry_points(group='sglang.srt.plugins')] == ['vlmrl_sglang_hooks:register']"
 	@echo "check-wheel: the installed wheel composes its configs outside the checkout"
 
 lint: setup ## ruff
