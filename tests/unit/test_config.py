@@ -435,10 +435,22 @@ def test_the_embedded_engine_computes_on_the_gpus_of_the_run():
 
 
 def test_the_lr_schedule_spans_the_steps_the_run_takes():
-    from vlmrl.loop import scheduled_steps
+    from vlmrl.config.layout import scheduled_steps
 
     # GRPO: the SFT warm-up, then the RL steps
     assert scheduled_steps(load(["num_steps=40", "algo.sft_steps=60"])) == 100
     # SFT alone runs num_steps supervised steps; algo/sft.yaml's sft_steps is not run
     cfg = load(["algo=sft", "num_steps=140"])
     assert cfg.algo.sft_steps > 0 and scheduled_steps(cfg) == 140
+
+
+def test_fewer_layers_of_a_model_preset_keep_its_first_layers():
+    """`model=qwen3_5_35b_a3b model.lm.num_layers=4` is the reference model's first four layers
+    (three Gated DeltaNet, one gated attention) at every other published width; a layer list
+    that follows no full-attention interval is not cut but refused by validation."""
+    cfg = load(["model=qwen3_5_35b_a3b", "model.lm.num_layers=4"])
+    assert cfg.model.lm.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert cfg.model.lm.num_experts == 256 and cfg.model.lm.vocab_size == 248320 and cfg.model.vision.depth == 27
+    with pytest.raises(ConfigError, match="layer-types"):
+        load(["model=tiny_qwen3_5_moe", "model.lm.num_layers=2",
+              "model.lm.layer_types=[full_attention,linear_attention,linear_attention]"])

@@ -40,9 +40,25 @@ def to_dataclass(cfg: Any) -> VlmrlConfig:
         if key in cfg:
             with _open(cfg):
                 del cfg[key]
+    _cut_layer_pattern(cfg)
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, VlmrlConfig), type(obj)
     return seal(obj)
+
+
+def _cut_layer_pattern(cfg: Any) -> None:
+    """`model.lm.num_layers=N` below a model preset's `layer_types` keeps the model's first N
+    layers: a list longer than num_layers that repeats every `full_attention_interval` layers
+    (as published Qwen3.5 configs describe theirs) is cut to its first N entries. Any other
+    mismatch is left for validation to name."""
+    from ..contracts.sglang_layers import full_attention_interval
+
+    lm = cfg.get("model", {}).get("lm") if hasattr(cfg, "get") else None
+    if lm is None or not lm.get("layer_types"):
+        return
+    types, n = list(lm.layer_types), int(lm.num_layers)
+    if 0 < n < len(types) and full_attention_interval(types) is not None:
+        lm.layer_types = types[:n]
 
 
 class _open:

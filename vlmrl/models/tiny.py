@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import ModelConfig
+from ..config.schema import ModelConfig, VlmrlConfig
 from .processor import image_only, save_processor
 from .sglang_checkpoint import (
     QWEN3_5_FAMILIES,
@@ -146,11 +146,11 @@ def hf_config(model: ModelConfig) -> Any:
     text.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
     config.video_token_id = SPECIAL_TOKENS.index("<|video_pad|>")
     if model.family in QWEN3_5_FAMILIES:
-        _add_published_qwen3_5_keys(model, config)
+        add_published_qwen3_5_keys(model, config)
     return config
 
 
-def _add_published_qwen3_5_keys(model: ModelConfig, config: Any) -> None:
+def add_published_qwen3_5_keys(model: ModelConfig, config: Any) -> None:
     """The keys published Qwen3.5 configs carry beyond transformers' fields, which SGLang reads
     (`vlmrl.models.sglang_checkpoint`): transformers' classes keep them as plain attributes,
     write them to config.json and build the same model with or without them."""
@@ -257,6 +257,13 @@ def _fingerprint(model: ModelConfig, seed: int, min_pixels: int, max_pixels: int
         arch["gdn_decay"] = [A_MIN, A_MAX]
         arch["revision"] = QWEN3_5_REVISION
     return hashlib.sha256(json.dumps(arch, sort_keys=True, default=list).encode()).hexdigest()[:10]
+
+
+def model_path(cfg: VlmrlConfig) -> str:
+    """The HF checkpoint a run starts from: `model.path`, or the tiny model built on first use."""
+    if cfg.model.path:
+        return cfg.model.path
+    return ensure_tiny_checkpoint(cfg.model, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
 def ensure_tiny_checkpoint(model: ModelConfig, *, seed: int = 0, min_pixels: int = 3136,
