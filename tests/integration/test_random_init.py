@@ -20,12 +20,12 @@ def test_a_small_vocabulary_checkpoint_in_the_published_layout_loads_and_runs(tm
 
     from vlmrl.config import load
     from vlmrl.models.processor import load_processor
-    from vlmrl.models.random_init import PUBLISHED_SPECIALS, build_checkpoint
+    from vlmrl.models.random_init import PUBLISHED_SPECIALS, main
     from vlmrl.models.sglang_checkpoint import check_sglang_checkpoint
 
     cfg = load(SMALL, check_rules=False)
-    out = build_checkpoint(cfg.model, tmp_path / "ckpt", min_pixels=cfg.data.min_pixels,
-                           max_pixels=cfg.data.max_pixels)
+    out = tmp_path / "ckpt"
+    main(["--out", str(out), "--device", "cpu", *SMALL])  # the command line, as the README gives it
     config = json.loads((out / "config.json").read_text())
     text = config["text_config"]
     assert text["vocab_size"] == 4096 and text["eos_token_id"] == 4002 and text["full_attention_interval"] >= 1
@@ -50,12 +50,17 @@ def test_a_small_vocabulary_checkpoint_in_the_published_layout_loads_and_runs(tm
     assert logits.shape[-1] == 4096 and torch.isfinite(logits).all()
 
 
-def test_wrong_special_ids_are_refused_naming_the_key(tmp_path):
+def test_wrong_special_ids_and_a_missing_gpu_are_refused_naming_them(tmp_path, capsys):
     from vlmrl.config import load
-    from vlmrl.models.random_init import special_ids
+    from vlmrl.models.random_init import main, special_ids
 
     with pytest.raises(ValueError, match="model.image_token_id=4011"):
         special_ids(load([*SMALL, "model.image_token_id=4011"], check_rules=False).model)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path / "x"), "--device", "cuda", *SMALL])
+        assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
 
 
 def test_the_reference_models_first_four_layers_at_full_width():

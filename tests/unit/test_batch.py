@@ -144,7 +144,7 @@ def test_verifier_params_reject_parameters_the_verifier_does_not_take():
     import dataclasses
 
     from vlmrl.config import load
-    from vlmrl.loop import verifier_params
+    from vlmrl.rewards.registry import verifier_params
 
     cfg = load([])
     assert verifier_params(cfg.reward) == {"_target_": "vlmrl.rewards.math.MathVerifier", "name": "math",

@@ -357,3 +357,32 @@ def test_moe_runs_get_a_load_imbalance_plot(tmp_path):
     assert MOE_IMBALANCE_PNG in [p.name for p in written]
     assert (tmp_path / MOE_IMBALANCE_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert MOE_IMBALANCE_PNG not in [p.name for p in write_plots(eval_rows(), tmp_path / "dense")]
+
+
+def test_an_rl_steps_row_is_assembled_from_its_stages():
+    """`rl_step_metrics`: loss terms are means over the step's optimizer steps, perf/ counts
+    (micro-batches, pad tokens) sums, MoE figures means; throughput divides by the step's time
+    and devices; a reason train_samples never saw counts 0; memory moves and dynamic sampling
+    appear only when the run has them; every key is one `keys.py` documents."""
+    from vlmrl.logging import keys as mk
+    from vlmrl.logging.step_metrics import StepCounts, StepTimes, rl_step_metrics
+
+    train = [{"loss": 1.0, "kl": 0.2, "perf/micro_batches": 3, "moe/load_imbalance": 1.5},
+             {"loss": 3.0, "kl": 0.4, "perf/micro_batches": 5, "moe/load_imbalance": 2.5}]
+    times = StepTimes(rollout=1.0, logprob=0.5, train=2.0, sync=0.5, step=4.0)
+    counts = StepCounts(retries=2, skipped={"prompt_mismatch": 1, "no_routed_experts": 2}, stale_samples=3)
+    row = rl_step_metrics(rollout={mk.ROLLOUT_RAW_REWARD: 0.25}, sampling=None, train_metrics=train, tokens=800,
+                          devices=2, times=times, sync_bytes=2_000_000_000, sync_phases={}, counts=counts, moved=None)
+    assert row[mk.TRAIN_LOSS] == 2.0 and abs(row[mk.TRAIN_KL] - 0.3) < 1e-12
+    assert row["perf/micro_batches"] == 8 and row["moe/load_imbalance"] == 2.0
+    assert row[mk.PERF_TOKENS_PER_GPU_PER_SEC] == 100.0 and row[mk.PERF_UPDATE_WEIGHTS_GB_PER_S] == 4.0
+    assert row["rollout/prompt_mismatch_samples"] == 1 and row["rollout/bad_routed_experts_samples"] == 2
+    assert row["rollout/retries"] == 2 and row["rollout/stale_samples"] == 3 and row[mk.ROLLOUT_RAW_REWARD] == 0.25
+    assert mk.PERF_OFFLOAD_TIME not in row and "rollout/kept_groups" not in row
+    row = rl_step_metrics(rollout={}, sampling={"rollout/kept_groups": 4.0}, train_metrics=[], tokens=0, devices=1,
+                          times=StepTimes(), sync_bytes=0, sync_phases={}, counts=StepCounts(),
+                          moved={"offload": 0.7})
+    assert row[mk.PERF_OFFLOAD_TIME] == 0.7 and row[mk.PERF_ONLOAD_TIME] == 0.0 and row["rollout/kept_groups"] == 4
+    assert mk.TRAIN_LOSS not in row  # no optimizer step, no loss
+    documented = mk.__doc__
+    assert not [k for k in row if k.split("/")[0] in ("rollout", "data") and k not in documented]

@@ -303,7 +303,7 @@ def test_format_pattern_asks_for_the_whole_reply() -> None:
 
 def test_the_answer_only_reward_config_builds_the_pattern_it_documents() -> None:
     from vlmrl.config import load
-    from vlmrl.loop import verifier_params
+    from vlmrl.rewards.registry import verifier_params
 
     verifier = build_verifier(verifier_params(load(["reward=answer_only"]).reward))
     assert isinstance(verifier, MathVerifier)
@@ -591,7 +591,7 @@ def test_coin_flip_refuses_a_format_score() -> None:
 
 def test_format_score_reaches_the_verifier_the_loop_builds() -> None:
     from vlmrl.config import load
-    from vlmrl.loop import verifier_params
+    from vlmrl.rewards.registry import verifier_params
 
     for name in ("math", "geo3k_tol05", "geo3k_strict"):
         verifier = build_verifier(verifier_params(load([f"reward={name}", "reward.format_score=0.9"]).reward))

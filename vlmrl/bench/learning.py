@@ -170,8 +170,8 @@ def warm(overrides: list[str]) -> None:
     tiny checkpoint built, and the fast-path kernels a trainer checks before its first step
     compiled into `hardware.compile_cache_dir` (a cold FlashQLA compile takes minutes)."""
     from ..config import load
-    from ..loop import model_path
     from ..models.kernels import compile_cache_env
+    from ..models.tiny import model_path
 
     cfg = load(overrides)
     os.environ.update(compile_cache_env(cfg.hardware.compile_cache_dir))

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..cluster.trainer_group import TrainerWorker
     from ..cluster.weight_transport import ColocatedTransport
     from ..config import compute_layout, load
-    from ..loop import model_path
+    from ..models.tiny import model_path
     from ..rollout.auth import new_key
     from ..rollout.manager import close_sessions
     from ..rollout.protocol import GenerateRequest, SamplingParams

@@ -175,3 +175,15 @@ def engine_slots(cfg: VlmrlConfig, layout: Layout) -> list[EngineSlot]:
         node, local = divmod(first, layout.devices_per_node)
         slots.append(EngineSlot(i, node, tuple(range(local, local + g))))
     return slots
+
+
+def scheduled_steps(cfg: VlmrlConfig) -> int:
+    """The optimizer steps the learning-rate schedule spans: `num_steps` supervised steps with
+    `algo=sft` (its `sft_steps` is the warm-up of an RL run, which it does not run), else the
+    SFT warm-up and then `num_steps` RL steps; with `trainer.optim.rl_lr` the warm-up alone (RL
+    then starts a schedule of its own, `vlmrl.loop.Loop.run`)."""
+    if cfg.algo.name == "sft":
+        return cfg.num_steps
+    if cfg.trainer.optim.rl_lr is not None:
+        return max(cfg.algo.sft_steps, 1)
+    return cfg.num_steps + cfg.algo.sft_steps

@@ -159,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     from ..config import load
 
     cfg = load(list(args.overrides), check_rules=False)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: this machine has no CUDA device (--device cpu draws on the host)")
     out = build_checkpoint(cfg.model, args.out, device=args.device, seed=args.seed,
                            min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     meta = json.loads((out / "vlmrl_random_init.json").read_text())

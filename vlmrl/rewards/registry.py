@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping
 from typing import Any
@@ -62,3 +63,36 @@ def _import_class(dotted_path: str) -> object:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"cannot import reward `_target_` {dotted_path!r}: {error}") from error
+
+
+def verifier_params(reward: Any) -> dict[str, Any]:
+    """The `reward` section (vlmrl.config.schema.RewardConfig) as keyword arguments of its
+    `_target_` class.
+
+    The schema carries every verifier's parameters; a key the target does not take must
+    keep its schema default (e.g. `tolerance` with the math verifier), else it is an error.
+    """
+    from vlmrl.config.schema import RewardConfig
+
+    params = dataclasses.asdict(reward)
+    params.pop("eval_target")  # a loop setting, not a verifier parameter
+    module, _, name = reward._target_.rpartition(".")
+    accepted = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    defaults = RewardConfig()
+    out = {"_target_": params.pop("_target_")}
+    for key, value in params.items():
+        if key in accepted:
+            out[key] = value
+        elif value != getattr(defaults, key):
+            raise ValueError(f"reward.{key}={value!r} is not a parameter of {reward._target_}")
+    return out
+
+
+def eval_verifier(train: Verifier, eval_target: str | None) -> Verifier | None:
+    """What evaluations score with: correctness, so the training verifier `train` without its
+    format requirement, or the class `eval_target` names; None when `train` itself serves."""
+    if eval_target:
+        return build_verifier({"_target_": eval_target, "name": "eval"})
+    if train.format_pattern is not None:
+        return dataclasses.replace(train, format_pattern=None)
+    return None

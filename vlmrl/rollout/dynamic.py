@@ -89,6 +89,12 @@ class StepRollout:
                 "rollout/aborted_requests": float(self.stats.aborted_requests),
                 "rollout/sampling_bound_hit": float(self.bound_hit)}
 
+    def bound_note(self, step: int, batch_size: int) -> str:
+        """What to tell the user the first time a bound leaves a step short."""
+        return (f"note: step {step + 1} kept {self.kept_groups} of rollout.batch_size={batch_size} groups after "
+                f"{self.rounds} round(s) and {len(self.prompts)} prompts (rollout.max_rounds / max_prompts): it "
+                "trains on those (rollout/sampling_bound_hit counts such steps)")
+
 
 def _add(total: RolloutStats, part: RolloutStats) -> None:
     """`part`'s counts, lists and per-engine counts added into `total` (a step's rounds)."""

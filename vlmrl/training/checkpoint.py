@@ -14,6 +14,7 @@ complete one, replaced atomically, so a kill mid-save leaves the previous one in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -40,6 +41,20 @@ DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
 
 
 REFERENCE_PREFIX = "ref."
+
+
+CHECKPOINT_DIR = "checkpoints"  # under the run directory
+
+
+@dataclasses.dataclass
+class LoopState:
+    """The loop's own state, saved beside the trainer's (loop.json)."""
+
+    step: int = 0  # RL steps done (SFT: optimizer steps done)
+    sft_steps_done: int = 0
+    train_seconds: float = 0.0  # wall time of SFT and RL steps (rollout, train, sync); evals excluded
+    eval_accuracy_start: float | None = None
+    data: dict[str, int] = dataclasses.field(default_factory=dict)  # the prompt sampler's position
 
 
 def _sharded_state_dict(trainer: Any, *, is_loading: bool = False, reference: bool = False) -> dict[str, Any]:
@@ -249,3 +264,25 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 def read_loop_state(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(path) / LOOP_STATE).read_text())
+
+
+def resume_path(resume: str, root: str | os.PathLike) -> Path | None:
+    """The checkpoint a run resumes from (`resume`: never, auto (the latest complete one under
+    `root`) or a checkpoint's path, which must be complete)."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return find_latest(root)
+    path = Path(resume)
+    if not (path / "loop.json").exists():
+        raise FileNotFoundError(f"resume={resume}: no complete checkpoint there (no loop.json)")
+    return path
+
+
+def save_summary(name: str, saved: dict[str, Any]) -> str:
+    """One line on a save, from `save_checkpoint`'s report."""
+    gib = float(1 << 30)
+    taken, dropped = saved["host_rss_peak_bytes"] - saved["host_rss_before_bytes"], saved["host_copy_dropped_bytes"]
+    return (f"checkpoint {name}: {saved['seconds']:.1f} s; host memory taken by the save {taken / gib:.1f} GiB "
+            f"(plan {saved['host_need_bytes'] / gib:.1f}; {saved['host_available_bytes'] / gib:.1f} available)"
+            + (f"; pinned offload copy of {dropped / gib:.1f} GiB freed first" if dropped else ""))

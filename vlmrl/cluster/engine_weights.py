@@ -1,0 +1,71 @@
+"""The engines' copy of the policy: which weight version they hold, the syncs that send them
+the trainer's weights (a restarted engine's included), and, colocated, the memory phase each
+sync or generation needs (`vlmrl.cluster.colocation`). The loop hands in the trainer group and
+the engine group it started; this keeps what the engines hold."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config.schema import VlmrlConfig
+
+
+class EngineWeights:
+    def __init__(self, cfg: VlmrlConfig) -> None:
+        self.bucket_bytes = max(int(cfg.rollout.weight_update_bucket_mb), 1) << 20
+        self.colo: Any = None  # vlmrl.cluster.colocation.Colocation when engines and trainer share GPUs
+        self.version: str | None = None  # the weight_version last synced to the engines
+        self.trained = False  # the trainer took an optimizer step since that sync
+        self.last_bytes = 0  # bytes the last sync sent each engine
+        self.last_phases: dict[str, float] = {}  # rank 0's transport phases of the last sync
+
+    def phase(self, name: str, trainer: Any, group: Any) -> None:
+        """Colocated: move device memory to phase `name`. Before generating, engines that came
+        back from a restart in a memory move get the trainer's weights."""
+        if self.colo is None:
+            return
+        if name == "generate" and self.colo.weights_stale and self.version is not None:
+            self.sync(self.version + "+", trainer, group, reset_links=group.http)
+        self.colo.to(name)
+
+    def need_trainer(self) -> None:
+        """The trainer's state on the GPU (checkpoints, exports), unless it is there already: as
+        for a sync, so the engines keep their weights (released ones would need a sync again)."""
+        if self.colo is not None and not self.colo.now.trainer:
+            self.colo.to("sync")
+
+    def sync(self, version: str, trainer: Any, group: Any, *, reset_links: bool = False) -> float:
+        """The trainer's weights to every engine of `group`, as `version`; its seconds
+        (`reset_links`: an engine behind a URL was restarted, so the transport's links are new)."""
+        self.phase("sync", trainer, group)
+        t0 = time.perf_counter()
+        self.last_bytes = int(trainer.sync_weights(group.sync_targets, bucket_bytes=self.bucket_bytes,
+                                                   weight_version=version, reset_links=reset_links,
+                                                   api_key=group.key) or 0)
+        seconds = time.perf_counter() - t0
+        self.last_phases = trainer.sync_phases()  # read after the clock: not part of the sync
+        self.version = version  # every sample generated from now on should report it
+        self.trained = False
+        if self.colo is not None:
+            self.colo.synced()
+        return seconds
+
+    def resync_restarted(self, i: int, trainer: Any, group: Any) -> None:
+        """Give restarted engine `i` the trainer's current weights, so the retried requests are
+        sampled from the policy being trained."""
+        if self.version is None:
+            return  # nothing synced yet: the checkpoint it loaded is the trainer's starting point
+        targets = group.sync_targets if group.http else [group.sync_targets[i]]
+        offloaded = self.colo is not None and not self.colo.now.trainer
+        if offloaded:
+            # the new server holds all its memory: it gives back its KV cache and graphs while
+            # the trainer comes back on the GPU to send it the current weights (the other engines
+            # keep theirs: with several colocated engines the onload needs room beside them)
+            group.call("release_memory_occupation", ["kv_cache", "cuda_graph"], only=i)
+            trainer.onload()
+        trainer.sync_weights(targets, bucket_bytes=self.bucket_bytes, weight_version=self.version
+                             + ("+" if self.trained else ""), reset_links=group.http, api_key=group.key)
+        if offloaded:
+            trainer.offload()
+            group.call("resume_memory_occupation", ["cuda_graph", "kv_cache"], only=i)
