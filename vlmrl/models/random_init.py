@@ -24,15 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..config.schema import ModelConfig
-from .processor import image_only, save_processor
 from .sglang_checkpoint import QWEN3_5_FAMILIES
-from .tiny import CHAT_TEMPLATE, _corpus, add_published_qwen3_5_keys
+from .tiny import _corpus, add_published_qwen3_5_keys, atomic_dir, save_qwen_processor
 
 # Qwen's special tokens in their published order, from the first special id on
 PUBLISHED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -98,30 +95,13 @@ def build_checkpoint(model: ModelConfig, out: str | os.PathLike, *, device: str 
     """Write the checkpoint directory `out` (atomically: a temp dir renamed at the end), the
     weights drawn on `device` in `model.dtype`."""
     import torch
-    import transformers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from . import families
     from .bridge import hf_model_class
 
     ids = special_ids(model)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=build_tokenizer(model, seed), bos_token=None, eos_token="<|im_end|>",
-            pad_token="<|endoftext|>", unk_token=None, additional_special_tokens=list(PUBLISHED_SPECIALS[1:]),
-            padding_side="left", model_max_length=model.lm.max_position_embeddings)
-        tok.chat_template = CHAT_TEMPLATE
-        image_processor = Qwen2VLImageProcessorPil(
-            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=model.vision.patch_size,
-            temporal_patch_size=model.vision.temporal_patch_size, merge_size=model.vision.spatial_merge_size)
-        processor_class = families.get(model.family).PROCESSOR_CLASS
-        processor = image_only(getattr(transformers, processor_class))(
-            image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
-        save_processor(processor, tmp, processor_class)
+    with atomic_dir(out) as tmp:
+        save_qwen_processor(model, build_tokenizer(model, seed), PUBLISHED_SPECIALS, tmp,
+                            min_pixels=min_pixels, max_pixels=max_pixels)
 
         torch.manual_seed(seed)
         dtype = getattr(torch, model.dtype)
@@ -139,13 +119,7 @@ def build_checkpoint(model: ModelConfig, out: str | os.PathLike, *, device: str 
                 "num_parameters": sum(p.numel() for p in net.parameters())}
         (tmp / "vlmrl_random_init.json").write_text(json.dumps(meta, indent=2))
         del net
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,12 +15,14 @@ which SGLang reads (`vlmrl.models.sglang_checkpoint`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -187,15 +189,52 @@ def _init_for_training_from_scratch(net: Any) -> None:
                 p.copy_(torch.empty_like(p).uniform_(A_MIN, A_MAX).log())
 
 
-def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: int = 0,
-                          min_pixels: int = 3136, max_pixels: int = 12544) -> Path:
-    """Write the checkpoint directory `out` (atomically: a temp dir renamed at the end)."""
-    import torch
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """A temp dir beside `out`, renamed to `out` (replacing it) when the block succeeds, removed
+    otherwise: a reader never sees a half-written checkpoint."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_qwen_processor(model: ModelConfig, tokenizer: Any, specials: Sequence[str], out: Path, *,
+                        min_pixels: int, max_pixels: int) -> None:
+    """Write the family's processor for `tokenizer` (a `tokenizers.Tokenizer` holding Qwen's
+    `specials`): the chat template, and the image processor at `model`'s patch sizes."""
     import transformers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from . import families
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, additional_special_tokens=[t for t in specials if t != "<|endoftext|>"],
+        padding_side="left", model_max_length=model.lm.max_position_embeddings)
+    tok.chat_template = CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=model.vision.patch_size,
+        temporal_patch_size=model.vision.temporal_patch_size, merge_size=model.vision.spatial_merge_size)
+    processor_class = families.get(model.family).PROCESSOR_CLASS
+    processor = image_only(getattr(transformers, processor_class))(
+        image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    save_processor(processor, out, processor_class)
+
+
+def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: int = 0,
+                          min_pixels: int = 3136, max_pixels: int = 12544) -> Path:
+    """Write the checkpoint directory `out` (atomically: a temp dir renamed at the end)."""
+    import torch
+
     from .bridge import hf_model_class
 
     ids = {"image": model.image_token_id, "start": model.vision_start_token_id, "end": model.vision_end_token_id}
@@ -204,30 +243,9 @@ def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: i
     if ids != expected:
         raise ValueError(f"tiny model token ids {ids} must match the trained tokenizer's {expected}")
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=train_tokenizer(model.lm.vocab_size, seed),
-            bos_token=None,
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            unk_token=None,
-            additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-            padding_side="left",
-            model_max_length=model.lm.max_position_embeddings,
-        )
-        tok.chat_template = CHAT_TEMPLATE
-        image_processor = Qwen2VLImageProcessorPil(
-            min_pixels=min_pixels, max_pixels=max_pixels,
-            patch_size=model.vision.patch_size, temporal_patch_size=model.vision.temporal_patch_size,
-            merge_size=model.vision.spatial_merge_size,
-        )
-        processor_class = families.get(model.family).PROCESSOR_CLASS
-        processor = image_only(getattr(transformers, processor_class))(
-            image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
-        save_processor(processor, tmp, processor_class)
+    with atomic_dir(out) as tmp:
+        save_qwen_processor(model, train_tokenizer(model.lm.vocab_size, seed), SPECIAL_TOKENS, tmp,
+                            min_pixels=min_pixels, max_pixels=max_pixels)
 
         torch.manual_seed(seed)
         config = hf_config(model)
@@ -240,13 +258,7 @@ def build_tiny_checkpoint(model: ModelConfig, out: str | os.PathLike, *, seed: i
         meta = {"maker": "vlmrl.models.tiny", "version": MAKER_VERSION, "seed": seed,
                 "num_parameters": sum(p.numel() for p in net.parameters())}
         (tmp / "vlmrl_tiny.json").write_text(json.dumps(meta, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
 
 
 def _fingerprint(model: ModelConfig, seed: int, min_pixels: int, max_pixels: int) -> str:
