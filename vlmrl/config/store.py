@@ -53,8 +53,8 @@ def _cut_layer_pattern(cfg: Any) -> None:
     mismatch is left for validation to name."""
     from ..contracts.sglang_layers import full_attention_interval
 
-    lm = cfg.get("model", {}).get("lm") if hasattr(cfg, "get") else None
-    if lm is None or not lm.get("layer_types"):
+    lm = cfg.model.lm
+    if not lm.get("layer_types"):
         return
     types, n = list(lm.layer_types), int(lm.num_layers)
     if 0 < n < len(types) and full_attention_interval(types) is not None:

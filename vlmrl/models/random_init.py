@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config.schema import ModelConfig
 from .sglang_checkpoint import QWEN3_5_FAMILIES
-from .tiny import _corpus, add_published_qwen3_5_keys, atomic_dir, save_qwen_processor
+from .tiny import add_published_qwen3_5_keys, atomic_dir, save_qwen_processor, train_tokenizer
 
 # Qwen's special tokens in their published order, from the first special id on
 PUBLISHED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -56,15 +56,11 @@ def special_ids(model: ModelConfig) -> dict[str, int]:
 
 def build_tokenizer(model: ModelConfig, seed: int = 0) -> Any:
     """A `tokenizers.Tokenizer` with the published special ids of `model` (module docstring)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
     ids = special_ids(model)
     first = min(ids.values())
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(seed), trainer=trainers.BpeTrainer(
-        vocab_size=BASE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = train_tokenizer(BASE_VOCAB, seed, specials=())
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     vocab.update({f"<|reserved_{i}|>": i for i in range(len(vocab), first)})

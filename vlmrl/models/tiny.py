@@ -114,8 +114,9 @@ def _corpus(seed: int = 0, n: int = 4000) -> list[str]:
     return out
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
-    """A byte-level BPE tokenizer (Qwen's pre-tokenization family) trained on `_corpus`."""
+def train_tokenizer(vocab_size: int, seed: int = 0, specials: Sequence[str] = SPECIAL_TOKENS) -> Any:
+    """A byte-level BPE tokenizer (Qwen's pre-tokenization family) trained on `_corpus`, with
+    `specials` at its first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -123,12 +124,12 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    for i, t in enumerate(SPECIAL_TOKENS):
+    for i, t in enumerate(specials):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
     return tok
 
