@@ -384,7 +384,8 @@ class Loop:
                 self._sync_weights("sft")
                 ev = self.evaluate()
                 logger.log(cfg.num_steps, ev, refresh_plots=True)
-                self.save_checkpoint()
+                if cfg.save_final:
+                    self.save_checkpoint()
                 return self._finish(ev, ev)
             if self.state.sft_steps_done < cfg.algo.sft_steps:
                 self.sft(cfg.algo.sft_steps)
@@ -421,7 +422,7 @@ class Loop:
             if not cfg.eval_interval or self.state.step % cfg.eval_interval:
                 ev = self.evaluate()
                 logger.log(offset + self.state.step, ev, refresh_plots=True)
-            if not cfg.save_interval or self.state.step % cfg.save_interval:
+            if cfg.save_final and (not cfg.save_interval or self.state.step % cfg.save_interval):
                 self.save_checkpoint()
             self._executor.shutdown(wait=True)
             self.engine_group.stop()

@@ -20,6 +20,7 @@ from .config.memory import (
     checkpoint_host_bytes,
     count_params,
     estimate_memory,
+    host_bytes_per_node,
     largest_micro_batch_tokens,
     offload_host_bytes,
     phase_memory,
@@ -180,11 +181,19 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
     ckpt = checkpoint_host_bytes(cfg, mem)
     if ckpt:
         per_node = trainer_ranks_per_node(cfg)
-        console.print(f"  checkpoint save: about {_gib(ckpt)} of host memory per trainer GPU"
-                      + (" beside its pinned copy" if host else "")
-                      + f" ({_gib(per_node * (ckpt + host))} per node of {per_node} trainer GPU(s))"
-                      + ("; where the host lacks it, the save frees the pinned copies first and the next "
-                         "offload pins them again" if host else ""))
+        node = host_bytes_per_node(cfg, mem)
+        fmt = (f"optimizer state as {cfg.trainer.checkpoint_format}" if cfg.trainer.use_distributed_optimizer
+               else "plain optimizer")
+        console.print(f"  checkpoint save ({fmt}): about {_gib(ckpt)} of host memory per trainer GPU"
+                      + (" beside its pinned copy" if host else ""))
+        if host:
+            console.print(f"  host memory per node ({per_node} trainer GPU(s)), every phase: at most "
+                          f"[bold]{_gib(node['save'])}[/] (the save beside the pinned copies); "
+                          f"{_gib(node['save_copies_freed'])} where the host lacks that and the save frees "
+                          "the copies first (the next offload pins them again)")
+        else:
+            console.print(f"  host memory per node ({per_node} trainer GPU(s)), every phase: at most "
+                          f"[bold]{_gib(node['save'])}[/] (the save)")
     for ph in phases:
         if total_dev and ph.total > total_dev:
             hint = (" (trainer.offload=true moves the trainer's state off the GPUs while the engines generate)"

@@ -1,6 +1,6 @@
 """A checkpoint of the trainer as it runs on GPUs: the bf16 Qwen3.5-MoE miniature (its Gated
 DeltaNet decays and gated norm kept in float32) under Megatron's DistributedOptimizer (NCCL),
-saved after a step and loaded into a fresh trainer, which then holds the same weights and
+saved after a step in each of the optimizer-state formats and loaded into a fresh trainer, which then holds the same weights and
 Adam moments and takes the same next step. The float32 parameters move in that step."""
 
 from __future__ import annotations
@@ -55,14 +55,16 @@ def _worker(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
             "next_loss_loaded": second.sft_step(samples)["loss"]}
 
 
-def test_distributed_optimizer_checkpoint_round_trip(tiny_moe_config, tiny_moe_checkpoint, tmp_path):
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+def test_distributed_optimizer_checkpoint_round_trip(tiny_moe_config, tiny_moe_checkpoint, tmp_path, fmt):
     from vlmrl.training.parallel_state import spawn_local
 
     hw = dataclasses.replace(tiny_moe_config.hardware, name="h200", device="cuda", dist_backend="nccl",
                              train_dtype="bfloat16", fused_kernels=False, cuda_graphs=False,
                              lm_attention_backend="sdpa", vision_attn_implementation="sdpa", gpu_memory_gb=141)
     model = dataclasses.replace(tiny_moe_config.model, dtype="bfloat16")
-    cfg = dataclasses.replace(tiny_moe_config, hardware=hw, model=model)
+    cfg = dataclasses.replace(tiny_moe_config, hardware=hw, model=model,
+                              trainer=dataclasses.replace(tiny_moe_config.trainer, checkpoint_format=fmt))
     res = spawn_local(_worker, 1, cfg, tiny_moe_checkpoint, str(tmp_path / "step_1"), backend="nccl",
                       timeout_s=600)[0]
     print(res)

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vlmrl.config import load
+from vlmrl.config import ConfigError, load
 from vlmrl.config.memory import (
     ENGINE_RUNTIME_BYTES,
     GIB,
@@ -24,6 +24,7 @@ from vlmrl.config.memory import (
     count_params,
     engine_weight_bytes,
     estimate_memory,
+    host_bytes_per_node,
     largest_micro_batch_tokens,
     measured_phase_peak,
     measured_phase_split,
@@ -38,6 +39,7 @@ from vlmrl.config.memory import (
     trainer_offload,
     trainer_ranks_per_node,
 )
+from vlmrl.plan import render_plan
 from vlmrl.training.checkpoint import HostPeak, host_available_bytes
 
 REFERENCE = ["experiment=geo3k_qwen35"]
@@ -342,11 +344,12 @@ def test_plan_holds_the_scaled_h200_run_within_ten_percent(run):
 
 # --------------------------------------------------------------- host memory at a checkpoint's save
 def test_checkpoint_host_bytes_counts_the_optimizer_gather():
-    """The scaled 2.88B Qwen3.5-MoE on one H200 (bf16, distributed optimizer): the gather of
-    the fp32 main parameters and Adam moments peaks at 32 B a parameter (the rank's shards,
-    the world buffers, one state's gathered copy and concatenation), beside the 14 B a
-    parameter of the pinned offload copy; together more than the H200 machine's host."""
-    cfg = _cfg(*H200_SCALED)
+    """The scaled 2.88B Qwen3.5-MoE on one H200 (bf16, distributed optimizer) saving its
+    optimizer state as fully_reshardable: the gather of the fp32 main parameters and Adam
+    moments peaks at 32 B a parameter (the rank's shards, the world buffers, one state's
+    gathered copy and concatenation), beside the 14 B a parameter of the pinned offload copy;
+    together more than the H200 machine's host."""
+    cfg = _cfg(*H200_SCALED, "trainer.checkpoint_format=fully_reshardable")
     assert cfg.trainer.use_distributed_optimizer
     mem = estimate_memory(cfg)
     weights = mem.params / 2
@@ -370,10 +373,11 @@ def test_checkpoint_host_bytes_counts_the_optimizer_gather():
 def test_checkpoint_host_bytes_holds_the_scaled_h200_save():
     """The scaled run's final save on the H200 (2026-12-04 16:48): 78.7 GiB available against
     the plan's 85.7, so the pinned copy (37.5 GiB) was freed first; the trainer's resident
-    memory then rose 86.1 GiB during the save. Plan and measurement within 10%."""
+    memory then rose 86.1 GiB during the save (optimizer state as fully_reshardable, the only
+    format then). Plan and measurement within 10%."""
     import json
 
-    cfg = _cfg(*H200_SCALED)
+    cfg = _cfg(*H200_SCALED, "trainer.checkpoint_format=fully_reshardable")
     rows = [json.loads(line) for line in
             (RESULTS / "sglang-h200-20261204-1648-scaled-checkpoint-metrics.jsonl").read_text().splitlines()]
     (save,) = [r for r in rows if "memory/checkpoint_host_gib" in r]
@@ -381,6 +385,42 @@ def test_checkpoint_host_bytes_holds_the_scaled_h200_save():
     assert save["memory/checkpoint_host_plan_gib"] == pytest.approx(checkpoint_host_bytes(cfg) / GIB, rel=1e-3)
     assert compare_phase_memory({"save": checkpoint_host_bytes(cfg)},
                                 {"save": save["memory/checkpoint_host_gib"] * GIB}) == []
+
+
+def test_dp_reshardable_saves_stage_the_rank_state_once():
+    """The default format writes each rank's optimizer shard as it holds it: the save stages
+    the rank's state once (its weights and its optimizer shard), what the pinned copy holds."""
+    cfg = _cfg(*H200_SCALED)
+    assert cfg.trainer.checkpoint_format == "dp_reshardable"
+    mem = estimate_memory(cfg)
+    assert checkpoint_host_bytes(cfg) == pytest.approx(mem.params + mem.optimizer)
+    assert checkpoint_host_bytes(cfg) == pytest.approx(offload_host_bytes(cfg))
+    gather = _cfg(*H200_SCALED, "trainer.checkpoint_format=fully_reshardable")
+    assert checkpoint_host_bytes(gather) > 2 * checkpoint_host_bytes(cfg)
+    node = host_bytes_per_node(cfg)
+    assert node["save"] == pytest.approx(2 * node["offload"])
+    assert node["save_copies_freed"] == pytest.approx(node["offload"])
+
+
+def test_the_recipe_needs_at_most_1000_gib_of_host_memory_per_node():
+    """Issue 54: `experiment=geo3k_qwen35` (8 GPUs of a node, trainer offloaded) needed 1840.6 GiB
+    of host memory per node at its first save with fully_reshardable (the gathered fp32 state
+    beside the pinned copies); with dp_reshardable every phase of the node stays under 1000 GiB,
+    the save beside the pinned copies included, and the plan prints that figure per node."""
+    cfg = _cfg("experiment=geo3k_qwen35")
+    node = host_bytes_per_node(cfg)
+    assert trainer_ranks_per_node(cfg) == 8
+    assert max(node.values()) == node["save"] < 1000 * GIB
+    assert node["offload"] == pytest.approx(8 * offload_host_bytes(cfg))
+    old = host_bytes_per_node(_cfg("experiment=geo3k_qwen35", "trainer.checkpoint_format=fully_reshardable"))
+    assert old["save"] > 1800 * GIB and old["save_copies_freed"] > 1000 * GIB
+    text = render_plan(cfg)
+    assert f"every phase: at most {node['save'] / GIB:.1f} GiB" in " ".join(text.split())
+
+
+def test_a_checkpoint_format_outside_megatrons_is_refused():
+    with pytest.raises(ConfigError, match="trainer.checkpoint_format"):
+        load(["trainer.checkpoint_format=fully_sharded_model_space"])
 
 
 def test_cpu_ranks_need_no_host_memory_beyond_their_state():

@@ -653,17 +653,22 @@ def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -
     holds anyway (its pinned offload copy, `offload_host_bytes`). GPU ranks only: a CPU rank's
     state is in host memory already, and its save writes it from there.
 
-    With the distributed optimizer megatron-core's layout-free format (`fully_reshardable`,
-    vlmrl.training.checkpoint) first gathers the optimizer state of the rank's
-    tensor/pipeline/expert slice over its data-parallel group, in float32 host buffers of 12 B a
-    parameter (main parameter, two Adam moments): the rank's contiguous shards (12 B; one
-    bucket holds the whole buffer), the gathered world buffers (12 B), and while each of the
-    three is copied in, its gathered copy and their concatenation (2 x 4 B): 32 B a parameter.
-    The write then keeps the world buffers, a copy of each parameter's slice of them (12 B)
-    and the weights staged from the device, less than the gather's peak. Without the
-    distributed optimizer the writer stages the state and the weights once. The KL term's
-    reference model (`algo.kl_coef` > 0) is staged beside the weights: checkpoints keep it once
-    it is the policy after the warm-up."""
+    megatron-core's writer stages everything a rank writes in host memory before writing it.
+    With the distributed optimizer that depends on `trainer.checkpoint_format`:
+
+    - dp_reshardable: the rank's own optimizer shard as it holds it (fp32 main parameters and
+      two Adam moments, `mem.optimizer`) and its weights: the rank's state once, no gather;
+    - fully_reshardable: the optimizer state of the rank's tensor/pipeline/expert slice is
+      first gathered over its data-parallel group, in float32 host buffers of 12 B a parameter
+      (main parameter, two Adam moments): the rank's contiguous shards (12 B; one bucket holds
+      the whole buffer), the gathered world buffers (12 B), and while each of the three is
+      copied in, its gathered copy and their concatenation (2 x 4 B): 32 B a parameter. The
+      write then keeps the world buffers, a copy of each parameter's slice of them (12 B) and
+      the weights staged from the device, less than the gather's peak.
+
+    Without the distributed optimizer the writer stages the state and the weights once. The
+    KL term's reference model (`algo.kl_coef` > 0) is staged beside the weights: checkpoints
+    keep it once it is the policy after the warm-up."""
     if cfg.hardware.device != "cuda":
         return 0.0
     mem = mem or estimate_memory(cfg)
@@ -671,9 +676,26 @@ def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -
     weights = mem.params / weight_bytes
     staged = weight_bytes * (2 if cfg.algo.uses_reference else 1)
     state = 3 * F32  # main parameter (or the fp32 parameter itself) and two Adam moments
-    if cfg.trainer.use_distributed_optimizer:
-        return weights * max(2 * state + 2 * F32, 2 * state + staged)
-    return weights * (state + staged)
+    if not cfg.trainer.use_distributed_optimizer:
+        return weights * (state + staged)
+    if cfg.trainer.checkpoint_format == "dp_reshardable":
+        return mem.optimizer + weights * staged
+    return weights * max(2 * state + 2 * F32, 2 * state + staged)
+
+
+def host_bytes_per_node(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> dict[str, float]:
+    """The trainer's host memory on one node at the peak of each of its phases (GPU ranks
+    only; bytes, every trainer rank of the node together): `offload`, the pinned copies that
+    hold the offloaded state between steps; `save`, a checkpoint's save beside those copies;
+    `save_copies_freed`, the same save where the node lacks room for both and the save frees
+    the copies first (`vlmrl.training.checkpoint.save_checkpoint`; the next offload pins them
+    again). Empty on CPU ranks."""
+    if cfg.hardware.device != "cuda":
+        return {}
+    mem = mem or estimate_memory(cfg)
+    ranks = trainer_ranks_per_node(cfg)
+    copy, save = offload_host_bytes(cfg, mem), checkpoint_host_bytes(cfg, mem)
+    return {"offload": ranks * copy, "save": ranks * (copy + save), "save_copies_freed": ranks * max(copy, save)}
 
 
 def phase_estimates(cfg: VlmrlConfig) -> dict[str, float]:

@@ -327,6 +327,15 @@ class TrainerConfig(Sealable):
     global_batch_size: int = 16  # samples per optimizer step
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_distributed_optimizer: bool = True
+    # How checkpoints hold the distributed optimizer's state (GPU ranks; CPU ranks run a plain
+    # optimizer, saved per parameter and loadable under any layout):
+    # dp_reshardable: each rank writes its own shard as it holds it, no gather; the save stages
+    #   the rank's state once in host memory (its weights and 12 B a parameter of its optimizer
+    #   shard). Loads under another data-parallel size, not another TP / PP / EP layout.
+    # fully_reshardable: one tensor per parameter and moment, gathered over data parallelism in
+    #   float32 host buffers (32 B a parameter of the rank's slice at the peak). Loads under any
+    #   layout: save with it to change the model-parallel layout between runs.
+    checkpoint_format: str = "dp_reshardable"
     # Colocated on GPUs: the trainer's weights, gradients and optimizer state leave the GPU
     # (torch_memory_saver keeps their addresses, so compiled CUDA graphs stay valid) while the
     # engines generate, and come back for training and the weight sync; null: on exactly when
@@ -501,6 +510,9 @@ class VlmrlConfig(Sealable):
     num_steps: int = 100  # rollout steps (GRPO) or optimizer steps (SFT)
     eval_interval: int = 20  # 0: no periodic eval
     save_interval: int = 0  # 0: save only at the end
+    # a checkpoint at the end of the run (false: only every save_interval steps, e.g. for benchmark
+    # runs whose checkpoints would not fit the disk)
+    save_final: bool = True
     resume: str = "auto"  # auto | never | a checkpoint directory
     save_hf: bool = False  # export an HF checkpoint at the end
     max_train_seconds: float | None = None  # stop RL after this much training wall time

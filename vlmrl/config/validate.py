@@ -53,6 +53,7 @@ ENUMS: dict[str, tuple[object, ...]] = {
     "algo.routing_replay": ("none", "rollout"),
     "algo.filter_groups": ("none", "equal_reward"),
     "trainer.moe_router_precision": ("fp32", "engine"),
+    "trainer.checkpoint_format": ("dp_reshardable", "fully_reshardable"),
     "trainer.optim.optimizer": ("adam",),
     "trainer.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "parallel.recompute_granularity": (None, "selective", "full"),

@@ -2,10 +2,11 @@
 
 Layout of one checkpoint directory (`<run_dir>/checkpoints/step_<N>`):
 
-    dist/            megatron.core.dist_checkpointing: model chunks and optimizer state,
-                     sharded as the ranks hold them (loadable under another TP/PP/DP layout)
+    dist/            megatron.core.dist_checkpointing: model chunks and optimizer state
+                     (the weights load under another TP/PP/DP layout; the distributed
+                     optimizer's state as `trainer.checkpoint_format` says)
     rng_<rank>.pt    torch / numpy / python / Megatron tracker RNG states of each rank
-    trainer.pt       scheduler state and step counters (rank 0)
+    trainer.pt       scheduler state, step counters and the optimizer state's format (rank 0)
     loop.json        the driver's state (written by the loop after the ranks are done)
 
 A checkpoint counts only once `loop.json` exists; `latest` in the parent names the newest
@@ -32,12 +33,14 @@ LATEST = "latest"
 LOOP_STATE = "loop.json"
 
 
-# The distributed optimizer's (NCCL) state in the checkpoint: one tensor per parameter and
-# moment, as a plain optimizer holds it, gathered on each data-parallel group's first rank at
-# save and re-cut at load, so that a checkpoint loads under another TP/PP/DP layout.
-# megatron-core's default for it, 'fully_sharded_model_space', cannot be saved in 0.16
+# The distributed optimizer's (NCCL) state in a checkpoint: `trainer.checkpoint_format`, one of
+# megatron-core's formats. dp_reshardable writes each rank's shards as the optimizer holds them
+# (no gather; loads under another data-parallel size), fully_reshardable one tensor per parameter
+# and moment, gathered over each data-parallel group at save and re-cut at load (loads under any
+# TP/PP/DP layout). trainer.pt records which one a checkpoint holds, and a load reads that one.
+# megatron-core's default, 'fully_sharded_model_space', cannot be saved in 0.16
 # ("ShardedTensor.flattened_range is not supported").
-DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
+LEGACY_OPTIMIZER_FORMAT = "fully_reshardable"  # checkpoints written before trainer.pt named it
 
 
 REFERENCE_PREFIX = "ref."
@@ -57,14 +60,16 @@ class LoopState:
     data: dict[str, int] = dataclasses.field(default_factory=dict)  # the prompt sampler's position
 
 
-def _sharded_state_dict(trainer: Any, *, is_loading: bool = False, reference: bool = False) -> dict[str, Any]:
+def _sharded_state_dict(trainer: Any, *, is_loading: bool = False, reference: bool = False,
+                        optimizer_format: str | None = None) -> dict[str, Any]:
     """Model chunks + optimizer, and with `reference` the KL term's reference model (under
     `ref.`-prefixed keys). `is_loading` makes the optimizer create its (Adam) state first, so
-    that the loaded moments have somewhere to go (a fresh optimizer has none)."""
+    that the loaded moments have somewhere to go (a fresh optimizer has none).
+    `optimizer_format`: the distributed optimizer's format (default `trainer.checkpoint_format`)."""
     model_sd: dict[str, Any] = {}
     for i, chunk in enumerate(trainer.chunks):
         model_sd[_chunk_key("model", i, trainer.chunks)] = chunk.sharded_state_dict()
-    metadata = ({"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING}
+    metadata = ({"distrib_optim_sharding_type": optimizer_format or trainer.cfg.trainer.checkpoint_format}
                 if trainer.distributed_optimizer else None)
     optim_sd = trainer.optimizer.sharded_state_dict(model_sd if len(trainer.chunks) > 1 else model_sd["model"],
                                                     is_loading=is_loading, metadata=metadata)
@@ -194,7 +199,9 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
     torch.save(_rng_state(), path / f"rng_{rank}.pt")
     if rank == 0:
         torch.save({"steps": trainer.steps, "scheduler": trainer.scheduler.state_dict(), "extra": extra or {},
-                    "reference": trainer.reference if _saves_reference(trainer) else "initial"}, path / "trainer.pt")
+                    "reference": trainer.reference if _saves_reference(trainer) else "initial",
+                    "optimizer_format": trainer.cfg.trainer.checkpoint_format if trainer.distributed_optimizer
+                    else "plain"}, path / "trainer.pt")
     dist.barrier()
     return {"seconds": time.perf_counter() - t0, "host_need_bytes": need, "host_available_bytes": float(available),
             "host_copy_dropped_bytes": dropped, "host_rss_before_bytes": float(host.before),
@@ -215,7 +222,14 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     meta = torch.load(path / "trainer.pt", weights_only=False)
     # the reference model, where the checkpoint has one (a run without the KL term skips it)
     reference = meta.get("reference", "initial") != "initial" and getattr(trainer, "ref_chunks", None) is not None
-    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True, reference=reference),
+    fmt = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
+    if not getattr(trainer, "distributed_optimizer", False) and fmt == "dp_reshardable":
+        raise ValueError(f"{path}: the checkpoint holds the distributed optimizer's shards (dp_reshardable), which only "
+                         "the distributed optimizer (GPU ranks, trainer.use_distributed_optimizer=true) loads")
+    # a plain optimizer's state is per parameter, the layout fully_reshardable reads
+    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True, reference=reference,
+                                                        optimizer_format=LEGACY_OPTIMIZER_FORMAT if fmt == "plain"
+                                                        else fmt),
                                     str(path / "dist"))
     for i, chunk in enumerate(trainer.chunks):
         chunk.load_state_dict(state[_chunk_key("model", i, trainer.chunks)])
