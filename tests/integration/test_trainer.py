@@ -65,7 +65,7 @@ def _trainer_grad_norm(cfg, path: str, samples: list, bucket: bool = False) -> t
     if bucket:
         trainer.cuda_graphs = True  # the padding only: the CPU has no CUDA graphs
     real = sum(s.num_tokens for s in samples)
-    mbs = trainer._micro_batches(samples)
+    mbs = trainer._step_micro_batches(samples)
     packed = sum(mb.whole.num_tokens for mb in mbs)
     assert packed > real if bucket else packed >= real
     metrics = trainer.sft_step(samples)
@@ -201,6 +201,46 @@ def test_moe_step_gradient_under_model_parallelism(tiny_moe_config, moe_layouts,
         megatron_norm, fast = rank[layout]
         assert abs(megatron_norm - hf_norm) <= 1e-4 * hf_norm, (layout, megatron_norm, hf_norm)
         assert fast == (tiny_moe_config.model.lm.num_layers // 2 if fused else 0)
+
+
+def _uneven_expert_parallel_steps(rank: int, world: int, cfgs: dict, path: str) -> dict:
+    """Each layout's SFT step and logprobs with this rank's share of an uneven split (rank 0
+    three samples, rank 1 two)."""
+    from vlmrl.training.trainer import MegatronTrainer
+
+    samples = _sft_samples(next(iter(cfgs.values())), path)
+    mine = samples if rank == 0 else samples[:2]
+    out = {}
+    for name, cfg in cfgs.items():
+        trainer = MegatronTrainer(cfg, path)
+        logprobs = trainer.logprobs(mine)
+        m = trainer.sft_step(mine)
+        out[name] = {"grad_norm": m["grad_norm"], "micro": m["perf/micro_batches"],
+                     "fillers": m["perf/filler_micro_batches"], "logprobs": [len(x) for x in logprobs],
+                     "loss_tokens": [int(sum(1 for v in s.loss_mask if v)) for s in mine]}
+    return out
+
+
+def test_uneven_splits_under_expert_parallelism_run_as_many_micro_batches(tiny_moe_config, tiny_moe_checkpoint):
+    """EP2 over two data-parallel ranks (TP1): the MoE layers' all-to-all spans both, and the
+    ranks hold three and two samples. One sample a micro-batch: rank 1 runs a filler beside its
+    two (before, rank 1 went on to the gradient reduce while rank 0 waited in the all-to-all:
+    a hang). Two a micro-batch: rank 1 splits its one micro-batch in two instead. Either way the
+    step's gradient is HF's over all five samples, and logprobs come back for every real one."""
+    def layout(mbs: int):
+        return dataclasses.replace(tiny_moe_config, parallel=dataclasses.replace(
+            tiny_moe_config.parallel, ep=2, use_dynamic_batch_size=False, micro_batch_size=mbs))
+
+    res = spawn_local(_uneven_expert_parallel_steps, 2, {"one": layout(1), "two": layout(2)}, tiny_moe_checkpoint,
+                      timeout_s=300)
+    samples = _sft_samples(tiny_moe_config, tiny_moe_checkpoint)
+    hf = _hf_grad_norm(tiny_moe_config, tiny_moe_checkpoint, samples + samples[:2])
+    for name, fillers in (("one", [0, 1]), ("two", [0, 0])):
+        for rank, r in enumerate(res):
+            got = r[name]
+            assert abs(got["grad_norm"] - hf) <= 1e-4 * hf, (name, rank, got["grad_norm"], hf)
+            assert got["micro"] == (3 if name == "one" else 2) and got["fillers"] == fillers[rank], (name, rank, got)
+            assert got["logprobs"] == got["loss_tokens"], (name, rank, got)
 
 
 def _tp_checkpoint(rank: int, world: int, cfg, path: str, ckpt: str, save: bool) -> dict | None:

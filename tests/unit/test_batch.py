@@ -199,3 +199,40 @@ def test_engine_experts_travel_with_their_samples(monkeypatch):
     assert sorted(torch.cat([x.packed.token_index for x in shares]).tolist()) == list(range(whole.num_tokens))
     with pytest.raises(ValueError, match="routed_experts"):
         TrainSample(input_ids=[1, 2], loss_mask=[0.0, 1.0], routed_experts=torch.zeros(3, 1, 1))
+
+
+# ------------------------------------------------------------ as many micro-batches on every rank
+def _samples(*lengths: int):
+    from vlmrl.training.batch import TrainSample
+
+    return [TrainSample(list(range(n)), [0.0] + [1.0] * (n - 1)) for n in lengths]
+
+
+def test_even_micro_batches_splits_groups_before_adding_fillers():
+    from vlmrl.training.batch import even_micro_batches
+
+    samples = _samples(10, 40, 20, 30)
+    # one group of four: split the largest group in halves until there are three
+    out, groups, fillers = even_micro_batches(samples, [[0, 1, 2, 3]], 3)
+    assert fillers == 0 and out == samples
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3] and len(groups) == 3
+    assert all(g for g in groups)
+    # nothing left to split: the rest are fillers, appended after the real samples
+    out, groups, fillers = even_micro_batches(samples[:1], [[0]], 3)
+    assert fillers == 2 and groups == [[0], [1], [2]] and out[0] is samples[0]
+    assert all(not any(s.loss_mask) for s in out[1:])
+    # a rank with no samples at all still runs the step's count
+    out, groups, fillers = even_micro_batches([], [], 2)
+    assert fillers == 2 and len(out) == 2 and groups == [[0], [1]]
+    # already there: unchanged
+    assert even_micro_batches(samples, [[0, 1], [2, 3]], 2)[1] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="more than the 1"):
+        even_micro_batches(samples, [[0], [1]], 1)
+
+
+def test_a_filler_micro_batch_trains_on_nothing():
+    from vlmrl.training.batch import build_micro_batch, filler_sample
+
+    mb = build_micro_batch([filler_sample()], image_token_id=5, spatial_merge_size=2, sp_size=2)
+    assert mb.loss_mask.sum() == 0 and mb.pixel_values is None
+    assert mb.packed.num_tokens % 2 == 0

@@ -71,6 +71,9 @@ perf (seconds unless stated)
   perf/micro_batches            micro-batches of the step's optimizer updates (trainer rank 0)
   perf/pad_tokens               padding tokens in them (CP / SP per-sample padding, CUDA-graph
                                 token buckets); with perf/micro_batches, what the packing costs
+  perf/filler_micro_batches     micro-batches with nothing to train on, run so that every rank
+                                runs as many under expert parallelism (an uneven split of the
+                                step's samples over data-parallel ranks)
 moe (MoE models; means over the step's optimizer updates)
   moe/imbalance/layer_<n>       largest expert load / mean expert load of layer n (1 = even)
   moe/imbalance_max, moe/imbalance_mean
@@ -118,6 +121,7 @@ PERF_LOGPROB_TIME = "perf/logprob_time"  # the trainer's old-policy logprob pass
 # the trainer's micro-batches and their padding (vlmrl.training.trainer.micro_batch_metrics)
 PERF_MICRO_BATCHES = "perf/micro_batches"
 PERF_PAD_TOKENS = "perf/pad_tokens"
+PERF_FILLER_MICRO_BATCHES = "perf/filler_micro_batches"
 # colocated moves of device memory between trainer and engines (vlmrl.cluster.colocation)
 PERF_OFFLOAD_TIME = "perf/offload_time"
 PERF_ONLOAD_TIME = "perf/onload_time"
@@ -155,6 +159,7 @@ PERF_KEYS = (
     PERF_LOGPROB_TIME,
     PERF_MICRO_BATCHES,
     PERF_PAD_TOKENS,
+    PERF_FILLER_MICRO_BATCHES,
     PERF_OFFLOAD_TIME,
     PERF_ONLOAD_TIME,
     PERF_ENGINE_RELEASE_TIME,

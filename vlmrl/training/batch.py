@@ -78,6 +78,9 @@ class MicroBatch:
     num_samples: int
     whole: PackedSequence  # the whole packed micro-batch (all CP shares), for unpacking
     extras: dict[str, Tensor] = field(default_factory=dict)  # e.g. old / ref logprobs
+    # a filler: run so that every rank runs as many micro-batches, trained on nothing
+    # (`even_micro_batches`)
+    filler: bool = False
     staged_cu_seqlens: Tensor | None = None  # the loss's copy of cu_seqlens on the device (`staged`)
 
     @property
@@ -151,6 +154,46 @@ def micro_batches(lengths: Sequence[int], *, max_tokens: int | None, micro_batch
             groups.append([i])
             sizes.append(n)
     return groups
+
+
+FILLER_TOKENS = 16  # a filler sample's length (padded further to the CP / SP multiple)
+
+
+def filler_sample(pad_token_id: int = 0, tokens: int = FILLER_TOKENS) -> TrainSample:
+    """A sample with nothing to train on: `tokens` pad tokens, no loss mask, no image. It only
+    gives a rank a micro-batch to run (`even_micro_batches`)."""
+    return TrainSample(input_ids=[pad_token_id] * tokens, loss_mask=[0.0] * tokens)
+
+
+def even_micro_batches(samples: Sequence[TrainSample], groups: list[list[int]], count: int, *,
+                       pad_token_id: int = 0) -> tuple[list[TrainSample], list[list[int]], int]:
+    """`count` micro-batches from this rank's `groups` (indices into `samples`, fewer than or
+    exactly `count`): every rank of a step must run as many where MoE layers exchange tokens
+    between data-parallel ranks (expert parallelism), since each micro-batch's forward and
+    backward is an all-to-all over the expert group, and a rank that ran out would wait in its
+    gradient reduce while the others wait in the all-to-all.
+
+    First the groups of several samples are split in two, the largest first (no added work);
+    then each missing micro-batch is a filler sample (`filler_sample`, appended to the samples)
+    that the loss functions count as nothing. Returns the samples, the groups and how many
+    fillers were added."""
+    if len(groups) > count:
+        raise ValueError(f"{len(groups)} micro-batches on this rank, more than the {count} asked for")
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [i for i, g in enumerate(groups) if len(g) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda k: sum(samples[j].num_tokens for j in groups[k]))
+        g = groups[i]
+        half = len(g) // 2
+        groups[i:i + 1] = [g[:half], g[half:]]
+    samples = list(samples)
+    fillers = count - len(groups)
+    for _ in range(fillers):
+        groups.append([len(samples)])
+        samples.append(filler_sample(pad_token_id))
+    return samples, groups, fillers
 
 
 def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, spatial_merge_size: int,

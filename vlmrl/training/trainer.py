@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from ..algo import losses
 from ..config.schema import VlmrlConfig
 from ..models.kernels import begin_graph_step
-from .batch import MicroBatch, TrainSample, build_micro_batch, micro_batches
+from .batch import MicroBatch, TrainSample, build_micro_batch, even_micro_batches, micro_batches
 from .logprobs import logprobs_and_entropy
 
 # Metrics that are sums over tokens / sequences (normalised by the global normaliser) and
@@ -161,10 +161,18 @@ def _laps(into: dict[str, float]) -> Any:
 
 def micro_batch_metrics(mbs: Sequence[MicroBatch]) -> dict[str, float]:
     """What one update's micro-batches cost beyond their tokens: how many ran (each is a
-    forward, a backward and a gradient accumulation) and the padding tokens they carried
-    (per-sample padding for CP / SP, the CUDA-graph token buckets), whole micro-batches."""
-    pad = sum(mb.whole.num_tokens - sum(mb.whole.seq_lens) for mb in mbs)
-    return {"perf/micro_batches": float(len(mbs)), "perf/pad_tokens": float(pad)}
+    forward, a backward and a gradient accumulation), the padding tokens they carried
+    (per-sample padding for CP / SP, the CUDA-graph token buckets, fillers' tokens), whole
+    micro-batches, and how many were fillers (`even_micro_batches`)."""
+    pad = sum(mb.whole.num_tokens - (0 if mb.filler else sum(mb.whole.seq_lens)) for mb in mbs)
+    return {"perf/micro_batches": float(len(mbs)), "perf/pad_tokens": float(pad),
+            "perf/filler_micro_batches": float(sum(mb.filler for mb in mbs))}
+
+
+def _filler_loss(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
+    """A filler micro-batch's loss: zero, counted as no tokens, with the whole graph behind it,
+    so that its backward runs every layer's collectives as the other ranks' do."""
+    return logits.float().sum() * 0.0, torch.zeros((), dtype=torch.int, device=logits.device), {}
 
 
 class MegatronTrainer:
@@ -519,22 +527,41 @@ class MegatronTrainer:
             wd_incr_steps=decay + o.lr_warmup_steps, wd_incr_style="constant"))
 
     # ------------------------------------------------------------------ batches
-    def _groups(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+    def _plan(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], list[list[int]], int]:
+        """This rank's micro-batches: the samples (fillers appended), the groups of indices into
+        them, and how many samples are real (the first ones). Under expert parallelism every
+        rank runs as many micro-batches as the rank with the most (`even_micro_batches`): an
+        uneven split of a step's samples over the data-parallel ranks would otherwise leave
+        ranks waiting in the MoE layers' all-to-all for ranks already in the gradient reduce."""
         p = self.cfg.parallel
-        return micro_batches([s.num_tokens for s in samples],
-                             max_tokens=p.max_tokens_per_gpu * p.cp if p.use_dynamic_batch_size else None,
-                             micro_batch_size=p.micro_batch_size)
+        groups = micro_batches([s.num_tokens for s in samples],
+                               max_tokens=p.max_tokens_per_gpu * p.cp if p.use_dynamic_batch_size else None,
+                               micro_batch_size=p.micro_batch_size)
+        real = len(samples)
+        if self.info.ep_size > 1 and dist.get_world_size() > 1:
+            from ..models import compat
 
-    def _micro_batches(self, samples: Sequence[TrainSample], groups: list[list[int]] | None = None) -> list[MicroBatch]:
+            most = torch.tensor([len(groups)], dtype=torch.int64, device=compat.device())
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            samples, groups, _ = even_micro_batches(samples, groups, int(most.item()))
+        return list(samples), groups, real
+
+    def _micro_batches(self, samples: Sequence[TrainSample], groups: list[list[int]], real: int) -> list[MicroBatch]:
+        from dataclasses import replace
+
         from ..models import compat
 
         p, m = self.cfg.parallel, self.model_cfg
         dev = compat.device()
-        return [build_micro_batch([samples[i] for i in g], image_token_id=m.image_token_id,
-                                  spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
-                                  cp_rank=self.info.cp_rank, sp_size=self.info.tp_size if p.sequence_parallel else 1,
-                                  bucket=self.cuda_graphs).staged(dev)
-                for g in (groups if groups is not None else self._groups(samples))]
+        return [replace(build_micro_batch([samples[i] for i in g], image_token_id=m.image_token_id,
+                                          spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
+                                          cp_rank=self.info.cp_rank,
+                                          sp_size=self.info.tp_size if p.sequence_parallel else 1,
+                                          bucket=self.cuda_graphs), filler=min(g) >= real).staged(dev)
+                for g in groups]
+
+    def _step_micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
+        return self._micro_batches(*self._plan(samples))
 
     def _vocab_start(self, logits: Tensor) -> int:
         return self.info.tp_rank * logits.shape[-1]
@@ -558,7 +585,7 @@ class MegatronTrainer:
             mb = next(data_iterator)
             if self.cuda_graphs and not forward_only:
                 begin_graph_step()
-            return chunk(mb.packed, mb.pixel_values), partial(loss_fn, mb)
+            return chunk(mb.packed, mb.pixel_values), partial(_filler_loss if mb.filler else loss_fn, mb)
 
         iters: Any = iter(mbs)
         if len(model) > 1:  # interleaved pipeline: one iterator per virtual stage
@@ -647,7 +674,7 @@ class MegatronTrainer:
         self._on_device("train_step")
         algo = self.cfg.algo
         with record_function("vlmrl.micro_batches"):
-            mbs = self._micro_batches(samples)
+            mbs = self._step_micro_batches(samples)
         if self.ref_chunks is not None:
             with record_function("vlmrl.ref_logprobs"):
                 self._forward_logprobs(self.ref_chunks, mbs, "ref_logp")
@@ -677,7 +704,7 @@ class MegatronTrainer:
     def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning (loss on loss-masked tokens)."""
         self._on_device("sft_step")
-        mbs = self._micro_batches(samples)
+        mbs = self._step_micro_batches(samples)
 
         def loss_fn(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
             logp, _ = self._token_logprobs(logits, mb, with_entropy=False, temperature=1.0)
@@ -696,13 +723,15 @@ class MegatronTrainer:
         from megatron.core import parallel_state as mps
 
         self._on_device("logprobs")
-        groups = self._groups(samples)
-        mbs = self._micro_batches(samples, groups)
+        samples, groups, real = self._plan(samples)
+        mbs = self._micro_batches(samples, groups, real)
         self._forward_logprobs(self.model, mbs, "logp")
         if not mps.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        out: list[Tensor | None] = [None] * len(samples)
+        out: list[Tensor | None] = [None] * real
         for g, mb in zip(groups, mbs):
+            if mb.filler:
+                continue
             logp = mb.extras["logp"].float()
             if self.info.cp_size > 1:  # gathered on the device: NCCL has no CPU tensors
                 from ..models.packing import cp_merge
