@@ -188,12 +188,12 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
                       + (" beside its pinned copy" if host else ""))
         if host:
             console.print(f"  host memory per node ({per_node} trainer GPU(s)), every phase: at most "
-                          f"[bold]{_gib(node['save'])}[/] (the save beside the pinned copies); "
-                          f"{_gib(node['save_copies_freed'])} where the host lacks that and the save frees "
-                          "the copies first (the next offload pins them again)")
+                          f"[bold]{_gib(node['save'])}[/] (a checkpoint's save or load beside the pinned copies); "
+                          f"{_gib(node['save_copies_freed'])} where the host lacks that and the save or load "
+                          "frees the copies first (the next offload pins them again)")
         else:
             console.print(f"  host memory per node ({per_node} trainer GPU(s)), every phase: at most "
-                          f"[bold]{_gib(node['save'])}[/] (the save)")
+                          f"[bold]{_gib(node['save'])}[/] (a checkpoint's save or load)")
     for ph in phases:
         if total_dev and ph.total > total_dev:
             hint = (" (trainer.offload=true moves the trainer's state off the GPUs while the engines generate)"

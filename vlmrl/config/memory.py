@@ -686,9 +686,9 @@ def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -
 def host_bytes_per_node(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> dict[str, float]:
     """The trainer's host memory on one node at the peak of each of its phases (GPU ranks
     only; bytes, every trainer rank of the node together): `offload`, the pinned copies that
-    hold the offloaded state between steps; `save`, a checkpoint's save beside those copies;
-    `save_copies_freed`, the same save where the node lacks room for both and the save frees
-    the copies first (`vlmrl.training.checkpoint.save_checkpoint`; the next offload pins them
+    hold the offloaded state between steps; `save`, a checkpoint's save beside those copies
+    (a resume's load stages about as much); `save_copies_freed`, the same where the node lacks
+    room for both and the save or load frees the copies first (`vlmrl.training.checkpoint.save_checkpoint`; the next offload pins them
     again). Empty on CPU ranks."""
     if cfg.hardware.device != "cuda":
         return {}

@@ -167,6 +167,24 @@ class HostPeak:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
+def _host_room(trainer: Any, what: str) -> tuple[float, int, float]:
+    """Room in host memory for a save or a load, which stages about the same bytes per rank
+    (`checkpoint_host_bytes`): where the node's ranks would not fit beside their pinned offload
+    copies, this rank frees its copy first (the next offload pins it again). Returns the bytes
+    the plan gives the save or load, the bytes available before, and the bytes freed."""
+    from ..config.memory import checkpoint_host_bytes, trainer_ranks_per_node
+
+    need = checkpoint_host_bytes(trainer.cfg)
+    available = host_available_bytes()
+    copy = getattr(trainer, "host_copy_bytes", 0)
+    if copy and need * trainer_ranks_per_node(trainer.cfg) > available:
+        print(f"checkpoint: the {what} needs about {need / 2**30:.1f} GiB of host memory per rank and "
+              f"{available / 2**30:.1f} GiB are available: freeing the pinned offload copy "
+              f"({copy / 2**30:.1f} GiB) first", flush=True)
+        return need, available, trainer.drop_host_copy()["bytes"]
+    return need, available, 0.0
+
+
 def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> dict[str, float]:
     """Collective over all trainer ranks. Returns this rank's figures: `seconds`;
     `host_need_bytes`, the host memory the plan gives the save (`checkpoint_host_bytes`);
@@ -178,19 +196,10 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
 
     from megatron.core import dist_checkpointing
 
-    from ..config.memory import checkpoint_host_bytes, trainer_ranks_per_node
-
     t0 = time.perf_counter()
     path = Path(path)
     rank = dist.get_rank()
-    need = checkpoint_host_bytes(trainer.cfg)
-    available = host_available_bytes()
-    dropped = 0.0
-    if trainer.host_copy_bytes and need * trainer_ranks_per_node(trainer.cfg) > available:
-        print(f"checkpoint: the save needs about {need / 2**30:.1f} GiB of host memory per rank and "
-              f"{available / 2**30:.1f} GiB are available: freeing the pinned offload copy "
-              f"({trainer.host_copy_bytes / 2**30:.1f} GiB) first", flush=True)
-        dropped = trainer.drop_host_copy()["bytes"]
+    need, available, dropped = _host_room(trainer, "save")
     if rank == 0:
         (path / "dist").mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -213,6 +222,7 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    _host_room(trainer, "load")
     if getattr(trainer, "distributed_optimizer", False):
         # megatron-core 0.16's DistributedOptimizer reads torch Adam's step counters while it
         # describes what to load, and a trainer that has not stepped yet has none
