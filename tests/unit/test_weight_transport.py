@@ -46,3 +46,41 @@ def test_sglang_servers_take_fused_experts_through_vlmrls_loader():
             t.close()
     assert seen == {"vlmrl": (True, LOADER), "sglang": (False, "flattened_bucket"),
                     "embedded": (False, "flattened_bucket")}
+
+
+def _sync_to_a_dead_engine(rank: int, world: int, url: str) -> dict:
+    import time
+
+    import torch
+
+    from vlmrl.config import compute_layout, load
+
+    cfg = load(["cluster.colocate=true", "cluster.num_cpu_ranks=2"], check_rules=False)
+    t = weight_transport(cfg, rank, [url], compute_layout(cfg), api_key=None, host="")
+    t0 = time.perf_counter()
+    try:
+        t.send([[("w", torch.zeros(4))], [("v", torch.ones(4))]], "v1")
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+    finally:
+        t.close()
+    return {"error": None, "seconds": time.perf_counter() - t0}
+
+
+def test_a_sync_that_fails_on_rank_0_fails_on_every_rank():
+    """Rank 0 alone talks to the engines. Its engine is gone (nothing listens at the URL): every
+    trainer rank raises rank 0's error within seconds. Before, rank 1 waited in the next
+    collective: here until rank 0's process ended (gloo: "Connection closed by peer"), in a run,
+    where rank 0 lives on, until the watchdog killed it, so the engine restart could not re-sync."""
+    import socket
+
+    from vlmrl.training.parallel_state import spawn_local
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    res = spawn_local(_sync_to_a_dead_engine, 2, url, timeout_s=120)
+    assert res[0]["error"] and res[1]["error"], res
+    assert res[1]["error"].startswith("RuntimeError: weight sync failed on trainer rank 0: ")
+    assert res[1]["error"].endswith(res[0]["error"]), res
+    assert all(r["seconds"] < 30 for r in res), res

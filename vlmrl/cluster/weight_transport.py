@@ -24,7 +24,6 @@ report with every sample.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -82,21 +81,41 @@ class WeightTransport(ABC):
             phases[phase] += now - clock
             clock = now
 
-        self._open_session()
+        self._agree(_caught(self._open_session))
         count = sent = 0
+        failed: BaseException | None = None
         try:
-            for bucket, last in wt.with_last(buckets):
-                lap("gather_convert")
-                count += 1
-                self._send_bucket(bucket, last=last, version=weight_version if last else None, lap=lap)
-                if self.rank == 0:
-                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
-            self._settle(lap)
+            try:
+                for bucket, last in wt.with_last(buckets):
+                    lap("gather_convert")
+                    count += 1
+                    self._send_bucket(bucket, last=last, version=weight_version if last else None, lap=lap)
+                    if self.rank == 0:
+                        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                self._settle(lap)
+            except Exception as e:  # noqa: BLE001 - agreed below, then raised on every rank
+                failed = e
         finally:
             self._abandon()
-            self._close_session()
+            closed = _caught(self._close_session)
+        # rank 0's failure (or, after a good sync, its session's failure to close) on every rank
+        self._agree(failed or closed)
         self.last_phases = {**{f"{k}_s": v for k, v in phases.items()}, "buckets": count}
         return sent
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Rank 0's outcome on every rank (collective over the trainer ranks): rank 0 alone
+        talks to the engines, so where its call failed every rank raises, with rank 0's error,
+        instead of waiting in the next collective for a rank that has left the sync."""
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [message]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"weight sync failed on trainer rank 0: {message}")
 
     @abstractmethod
     def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
@@ -126,11 +145,12 @@ class WeightTransport(ABC):
             raise failed[0]
 
     def _close_session(self) -> None:
-        """Closed whatever happened; its own failure only counts after a good sync."""
+        """Closed whatever happened; its own failure only counts after a good sync (`send`
+        raises it then)."""
         if self.rank != 0:
             return
         failed = [e for e in self._each("end_weight_update") if isinstance(e, BaseException)]
-        if failed and sys.exc_info()[0] is None:
+        if failed:
             raise failed[0]
 
     def close(self) -> None:
@@ -144,6 +164,15 @@ class WeightTransport(ABC):
         self.loop.run_until_complete(leave())
         self.loop.close()
         self.engines = []
+
+
+def _caught(call: Callable[[], Any]) -> BaseException | None:
+    """What `call` raised, or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - handed to every rank by `_agree`
+        return e
+    return None
 
 
 class ColocatedTransport(WeightTransport):
@@ -201,11 +230,11 @@ class ColocatedTransport(WeightTransport):
             return
         post, alive = self._inflight
         self._inflight = None
-        if post is not None:
-            post.result()
+        failed = _caught(post.result) if post is not None else None
         lap("engines")
-        if dist.get_world_size() > 1:
-            dist.barrier()  # the engines have read every rank's copy: the bucket may go
+        # rank 0's word that the engines have read every rank's copy (the bucket may go), or
+        # its error on every rank
+        self._agree(failed)
         alive.clear()
         lap("barrier")
 
