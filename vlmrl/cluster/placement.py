@@ -21,6 +21,10 @@ class Placement:
     trainer_bundles: list[int]  # bundle of each trainer rank
     engine_bundles: list[int]  # bundle of each engine
     layout: Layout | None = None  # the layout the bundles were cut from: the run's one computation of it
+    # GPU layouts: the GPU Ray gave each bundle, as Ray names it (the node's CUDA_VISIBLE_DEVICES
+    # entry: "4" where Ray's node was started with CUDA_VISIBLE_DEVICES=4,5); a process started
+    # outside Ray on a bundle's GPU (an SGLang server) takes these, not the layout's indices
+    bundle_gpus: list[str] | None = None
 
     def strategy(self, bundle: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -48,7 +52,28 @@ def create_placement(cfg: VlmrlConfig, layout: Layout, *, timeout_s: float = 600
     spec, trainer, engines = bundles(cfg, layout)
     group = placement_group(spec, strategy="PACK", name="")
     ray.get(group.ready(), timeout=timeout_s)
-    return Placement(group, trainer, engines, layout)
+    placement = Placement(group, trainer, engines, layout)
+    if layout.on_gpu:
+        placement.bundle_gpus = bundle_gpu_ids(placement, len(spec), timeout_s=timeout_s)
+    return placement
+
+
+def bundle_gpu_ids(placement: Placement, count: int, *, timeout_s: float = 120.0) -> list[str]:
+    """The GPU Ray gave each of the first `count` bundles (one each), read by a task that takes a
+    sliver of the bundle's GPU: Ray's names for them, which are the node's CUDA_VISIBLE_DEVICES
+    entries, not 0..n-1, where the node was started on some of its GPUs."""
+    import ray
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def gpu_ids() -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    found = ray.get([gpu_ids.options(scheduling_strategy=placement.strategy(b)).remote() for b in range(count)],
+                    timeout=timeout_s)
+    for b, ids in enumerate(found):
+        if len(ids) != 1:
+            raise RuntimeError(f"placement bundle {b} holds GPUs {ids} in Ray, not one")
+    return [ids[0] for ids in found]
 
 
 def available_cores() -> int:

@@ -22,7 +22,8 @@ PYTHONPATH), which the colocated sync names. The same folder holds vlmrl's SGLan
 which SGLang loads in every server process. `server_command` turns the dict into
 `python -m sglang.launch_server --foo-bar v ...` (True booleans as bare flags). Values of
 fields with a fixed set of choices in SGLang's source are checked against them.
-`SGLangServerActor` starts that command on its engine slot's GPUs (CUDA_VISIBLE_DEVICES)
+`SGLangServerActor` starts that command on its engine slot's GPUs (CUDA_VISIBLE_DEVICES, the GPUs Ray
+gave the slot's placement bundles)
 and waits on /health; `launch_sglang_engines` starts one per slot plus, optionally,
 `python -m sglang_router.launch_router --worker-urls ...` in front of them.
 
@@ -185,8 +186,8 @@ def engine_port(base_port: int, index: int) -> int:
     return int(base_port) + 10 * int(index)
 
 
-def cuda_visible_devices(devices: Sequence[int]) -> str:
-    return ",".join(str(int(d)) for d in devices)
+def cuda_visible_devices(devices: Sequence[int | str]) -> str:
+    return ",".join(str(d) for d in devices)
 
 
 VERSION_PROBE = "from importlib.metadata import version; print(version('sglang'))"
@@ -219,9 +220,9 @@ class SGLangServerActor:
 
     port_wait_s = 10.0  # how long a start waits for its port to be free (a killed server's may linger)
 
-    def __init__(self, devices: Sequence[int], *, log_path: str, python: str | None = None,
+    def __init__(self, devices: Sequence[int | str], *, log_path: str, python: str | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self.devices = tuple(devices)
+        self.devices = tuple(str(d) for d in devices)
         self.log_path = log_path
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
@@ -239,6 +240,17 @@ class SGLangServerActor:
             env["SGLANG_PLUGINS"] = ",".join([*allowed, HOOKS])
         return {**env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices)}
 
+    def check_devices(self) -> None:
+        """The actor sits in the bundle of its engine's first GPU: Ray must have given it that
+        GPU, or the server would start on a GPU the job does not hold. Nothing to check where
+        Ray gave the actor no GPU (CPU layouts, a process outside Ray)."""
+        import ray
+
+        own = [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+        if own and self.devices[0] not in own:
+            raise RuntimeError(f"SGLang engine on GPUs {list(self.devices)} (its placement bundles' GPUs), but Ray "
+                               f"gave its actor GPU(s) {own}: the server would run on GPUs the job does not hold")
+
     def node_ip(self) -> str:
         import ray
 
@@ -254,6 +266,7 @@ class SGLangServerActor:
             self.args, self.flags_version = dict(args), version
         if not self.args:
             raise RuntimeError("SGLangServerActor.start needs the server's arguments the first time")
+        self.check_devices()
         if self.args.get("host") in (None, "", "auto"):
             self.args["host"] = self.node_ip()
         # a restart after a kill may find the port held for a moment; anything longer is another process
@@ -400,8 +413,9 @@ async def launch_sglang_engines(
         opts: dict[str, Any] = dict(num_cpus=cpus_per_actor, num_gpus=frac, max_concurrency=4)
         if placement is not None:
             opts["scheduling_strategy"] = placement.strategy(placement.engine_bundles[slot.index])
+        gpus = placement.bundle_gpus if placement is not None else None
         actors.append(actor_cls.options(**opts).remote(
-            slot.devices, log_path=str(Path(run_dir) / "logs" / f"sglang-{slot.index}.log"),
+            [gpus[d] for d in slot.devices] if gpus else slot.devices, log_path=str(Path(run_dir) / "logs" / f"sglang-{slot.index}.log"),
             python=sg.python, env=dict(sg.env)))
     out = SGLangEngines(engines=[], actors=actors, placed=False)
     try:
