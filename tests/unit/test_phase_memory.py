@@ -479,3 +479,23 @@ def test_phase_memory_metrics_put_measured_and_planned_side_by_side():
     assert out["memory/plan_problems"] == 1.0 and len(problems) == 1 and problems[0].startswith("train: measured 25")
     out, problems = phase_memory_metrics(plan, {"sync": measured["train"]})
     assert "memory/sync_plan_gib" not in out and "no estimate" in problems[0]
+
+
+def test_a_fully_reshardable_save_gathers_on_the_device():
+    """The recipe (EP8, expert dp 1: each rank's 4.03B expert parameters) saving its optimizer
+    state as fully_reshardable gathers each key of the expert buffer over NCCL: the rank's shard
+    and the whole buffer, 4 B a parameter each, about 30 GiB beside the trainer's state. The
+    plan shows it as a save phase; dp_reshardable writes shards as held and has none."""
+    from vlmrl.config.memory import checkpoint_device_bytes
+
+    full = _cfg(*REFERENCE, "trainer.checkpoint_format=fully_reshardable")
+    mem = estimate_memory(full)
+    assert mem.expert_weights == pytest.approx(count_params(full).experts / 8)
+    gather = checkpoint_device_bytes(full)
+    assert gather == pytest.approx(4 * 2 * mem.expert_weights) and 29 * GIB < gather < 31 * GIB
+    phases = {p.phase: p for p in phase_memory(full)}
+    save = phases["save"]
+    assert save.total == pytest.approx(phases["train"].total - mem.activations + gather)
+    assert save.total < full.hardware.gpu_memory_gb * GIB
+    default = _cfg(*REFERENCE)
+    assert checkpoint_device_bytes(default) == 0.0 and "save" not in {p.phase for p in phase_memory(default)}

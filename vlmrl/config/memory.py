@@ -162,6 +162,10 @@ class MemoryEstimate:
     # a forward without backward (the logprob recompute): one layer's working set and the
     # logits of one micro-batch with their float32 log-softmax
     forward_activations: float = 0.0
+    # parameters (counts) of the rank's two gradient buffers: dense (with the vision tower) and
+    # routed experts; the distributed optimizer shards them over dp and expert dp
+    dense_weights: float = 0.0
+    expert_weights: float = 0.0
 
     @property
     def state(self) -> float:
@@ -418,7 +422,8 @@ def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
 
     gpu = cfg.hardware.gpu_memory_gb * GIB
     pool = cfg.rollout.sglang.mem_fraction_static * gpu if cfg.rollout.name == "sglang" else 0.0
-    return MemoryEstimate(params, grads, optimizer, activations, int(tokens), pool, qkv_gather, forward_activations)
+    return MemoryEstimate(params, grads, optimizer, activations, int(tokens), pool, qkv_gather, forward_activations,
+                          dense_weights=dense + vision, expert_weights=experts)
 
 
 # --------------------------------------------------------------------------- offload
@@ -557,6 +562,8 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
     - train: the trainer's state and the activations of a training micro-batch.
     - sync: the trainer's state, the engines' weights (resumed, KV cache and graphs still
       released) and two buckets of `rollout.weight_update_bucket_mb` in flight.
+    - save (only where a checkpoint's save gathers on the device, `checkpoint_device_bytes`):
+      the trainer's state and the gather, the engines released.
 
     Separate GPUs: "train" and "logprob" on the trainer's GPUs, "rollout" on the engines'.
     No phases on CPU ranks (empty list)."""
@@ -575,11 +582,14 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
     train_acts = [] if graphs else [("trainer activations (training micro-batch)", mem.activations)]
     fwd_acts = [("trainer activations (forward only)", mem.forward_activations)]
     released_engine = _engine_released(cfg)
+    gather = checkpoint_device_bytes(cfg, mem)
+    save_gather = [("checkpoint save's optimizer-state gather (fully_reshardable)", gather)] if gather else []
     if not cfg.cluster.colocate:
         on_trainer = [*state, *trainer_process, *trainer_graphs]
         return [PhaseMemory("rollout", "engine", tuple(_engine_generating(cfg))),
                 PhaseMemory("logprob", "trainer", tuple(on_trainer + fwd_acts)),
-                PhaseMemory("train", "trainer", tuple(on_trainer + train_acts))]
+                PhaseMemory("train", "trainer", tuple(on_trainer + train_acts)),
+                *([PhaseMemory("save", "trainer", tuple(on_trainer + save_gather))] if gather else [])]
     kept = [] if offload else state
     # a bucket fills up to its size or the whole model, whichever is smaller
     bucket = min(max(int(cfg.rollout.weight_update_bucket_mb), 1) * 1024**2, engine_weight_bytes(cfg))
@@ -591,6 +601,8 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
             *([] if _engine_on_host(cfg) else [("engine weights (resumed)", engine_weight_bytes(cfg))]),
             (f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB)", 2 * bucket),
             *[(name.removeprefix("released "), b) for name, b in released_engine]])),
+        *([PhaseMemory("save", "shared", tuple(state + trainer_process + trainer_graphs + save_gather + released_engine))]
+          if gather else []),
     ]
 
 
@@ -696,6 +708,21 @@ def host_bytes_per_node(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> 
     ranks = trainer_ranks_per_node(cfg)
     copy, save = offload_host_bytes(cfg, mem), checkpoint_host_bytes(cfg, mem)
     return {"offload": ranks * copy, "save": ranks * (copy + save), "save_copies_freed": ranks * max(copy, save)}
+
+
+def checkpoint_device_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
+    """Device memory a checkpoint's save takes beyond the trainer's state, on one GPU rank.
+    `fully_reshardable` under the distributed optimizer gathers each gradient buffer's fp32
+    state over its data-parallel group through NCCL one key at a time: the rank's shard sent
+    from the device and the whole buffer received there (4 B a parameter each), for the larger
+    of the dense and the expert buffer. `dp_reshardable` and a plain optimizer copy what they
+    write to the host tensor by tensor: nothing of note."""
+    if (cfg.hardware.device != "cuda" or not cfg.trainer.use_distributed_optimizer
+            or cfg.trainer.checkpoint_format != "fully_reshardable"):
+        return 0.0
+    mem = mem or estimate_memory(cfg)
+    layout = compute_layout(cfg)
+    return F32 * max(mem.dense_weights * (1 + 1 / layout.dp), mem.expert_weights * (1 + 1 / layout.expert_dp))
 
 
 def phase_estimates(cfg: VlmrlConfig) -> dict[str, float]:
