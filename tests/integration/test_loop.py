@@ -294,6 +294,32 @@ def test_reference_recipe_in_miniature(tmp_path, cache_dir, layout):
     assert find_latest(tmp_path / "checkpoints") is not None
 
 
+# eight ranks on CI's two cores (minutes): `make test-all` runs it
+@pytest.mark.slow
+def test_reference_recipe_layout_on_eight_cpu_ranks(tmp_path, cache_dir):
+    """The recipe's own layout, not a miniature of it: eight gloo processes, TP2 + SP, EP8 (the
+    tiny model's eight experts, one a rank: the expert group spans all four data-parallel
+    ranks), full recompute, micro-batch 1. The step's samples are split over the data-parallel
+    ranks by tokens, so the ranks' micro-batch counts differ from step to step: each rank runs
+    as many (fillers where it has fewer). Two GRPO steps after the SFT warm-up with a checkpoint,
+    the engine's logprobs equal to the trainer's after every sync, then a resume to step 3."""
+    from vlmrl.config import compute_layout, load
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+
+    args = [f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}", *RECIPE_ON_CPU, *SHORT, "save_hf=false",
+            "cluster.num_cpu_ranks=8", "parallel.ep=8"]
+    cfg = load(args)
+    layout = compute_layout(cfg)
+    assert (layout.trainer_world_size, layout.dp, cfg.parallel.tp, cfg.parallel.ep) == (8, 4, 2, 8)
+    assert train(cfg)["rl_steps"] == 2
+    assert train(load([*args, "num_steps=3"]))["rl_steps"] == 3
+    rl = [r for r in read_metrics(tmp_path) if "rl_step" in r]
+    assert [r["rl_step"] for r in rl] == [1, 2, 3]
+    assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
+    assert all(r["perf/micro_batches"] >= 1 for r in rl)
+
+
 def test_control_rewards_are_evaluated_for_correctness(tmp_path, cache_dir):
     """`reward=coin_flip` trains on coin flips but evaluates with the math verifier: an
     evaluation scored by the training reward would measure the coin."""
