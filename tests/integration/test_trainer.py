@@ -285,6 +285,22 @@ def test_tp4_checkpoint_resumes_under_tp2(tiny_moe_config, tiny_moe_checkpoint, 
     assert any(not torch.equal(tp4[k], v) for k, v in _base_weights(tiny_moe_checkpoint).items() if k in tp4)
 
 
+# slow (two process starts, about 45 s on two cores): the default suite is over its time budget
+@pytest.mark.slow
+def test_checkpoint_resumes_under_another_data_parallel_size(tiny_moe_config, tiny_moe_checkpoint, tmp_path):
+    """A checkpoint written by two data-parallel ranks (the same samples on each, so their
+    mean gradient is one rank's) loads into one rank, and the next step gives the same
+    weights as the two-rank run's next step: weights, Adam moments and step counters carry
+    over a change of data-parallel size (CPU ranks: the plain optimizer's per-parameter
+    state; the GPU's dp_reshardable format: tests/gpu/test_checkpoint_gpu.py on one GPU)."""
+    ckpt = str(tmp_path / "ckpt")
+    dp2 = spawn_local(_tp_checkpoint, 2, tiny_moe_config, tiny_moe_checkpoint, ckpt, True, timeout_s=600)[0]
+    dp1 = spawn_local(_tp_checkpoint, 1, tiny_moe_config, tiny_moe_checkpoint, ckpt, False, timeout_s=600)[0]
+    assert dp2.keys() == dp1.keys()
+    worst = max(float((dp2[k] - dp1[k]).abs().max()) for k in dp2)
+    assert worst <= 1e-6, worst
+
+
 def _base_weights(path: str) -> dict:
     from vlmrl.models.adapters import SafetensorsDir
 
