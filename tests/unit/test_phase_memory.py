@@ -499,3 +499,23 @@ def test_a_fully_reshardable_save_gathers_on_the_device():
     assert save.total < full.hardware.gpu_memory_gb * GIB
     default = _cfg(*REFERENCE)
     assert checkpoint_device_bytes(default) == 0.0 and "save" not in {p.phase for p in phase_memory(default)}
+
+
+def test_the_sync_counts_buckets_as_they_are_cut_and_the_expert_gather():
+    """A bucket closes once it reaches rollout.weight_update_bucket_mb, so it can hold one tensor
+    more: for the recipe a layer's fused experts, [256, 1024, 2048] in bf16 (1 GiB), which
+    under EP8 are gathered, their parts and the join held together. Two buckets of 1.5 GiB and
+    the 2 GiB gather: 5 GiB in the sync phase, where the plan had 1 (issue 58)."""
+    from vlmrl.config.memory import largest_sync_tensor_bytes, sync_transient_bytes
+
+    cfg = _cfg(*REFERENCE)
+    largest, expert = largest_sync_tensor_bytes(cfg)
+    assert expert == 256 * 2 * 512 * 2048 * 2 == GIB and largest == expert  # above the embedding's 0.95 GiB
+    parts = dict(sync_transient_bytes(cfg))
+    assert sum(parts.values()) == pytest.approx(5 * GIB)
+    sync = {p.phase: p for p in phase_memory(cfg)}["sync"]
+    assert sum(b for n, b in sync.parts if n.startswith("weight-sync")) == pytest.approx(5 * GIB)
+    # one GPU, no expert parallelism: no gather; SGLang's own loader takes one matrix an expert
+    one = _cfg(*SHARED, "model=tiny_qwen3_5_moe", "rollout.sglang.weight_loader=sglang")
+    assert len(sync_transient_bytes(one)) == 1  # the buckets alone
+    assert largest_sync_tensor_bytes(one)[1] == 2 * one.model.lm.moe_ffn_hidden_size * one.model.lm.hidden_size * 2

@@ -484,6 +484,36 @@ def engine_weight_bytes(cfg: VlmrlConfig) -> float:
     return count_params(cfg).total * per / max(cfg.rollout.gpus_per_engine, 1)
 
 
+def largest_sync_tensor_bytes(cfg: VlmrlConfig) -> tuple[float, float]:
+    """(the largest tensor a weight sync sends, the largest gathered expert tensor; bytes in the
+    model's dtype). A bucket closes once it reaches `rollout.weight_update_bucket_mb`, so it
+    can hold up to one tensor more. Engines that take a layer's routed experts in one copy
+    (SGLang with vlmrl's loader) get them fused, [E, 2I, H] for gate and up; others one matrix
+    an expert. The embedding and the output layer are vocabulary x hidden each."""
+    lm, per = cfg.model.lm, _DTYPE_BYTES.get(cfg.model.dtype, 2)
+    vocab = lm.vocab_size * lm.hidden_size * per
+    if not lm.num_experts:
+        return float(vocab), 0.0
+    fused = cfg.rollout.name == "sglang" and cfg.rollout.sglang.weight_loader == "vlmrl"
+    expert = 2 * lm.moe_ffn_hidden_size * lm.hidden_size * per * (lm.num_experts if fused else 1)
+    return float(max(vocab, expert)), float(expert)
+
+
+def sync_transient_bytes(cfg: VlmrlConfig) -> list[tuple[str, float]]:
+    """What a trainer GPU holds for the weight sync beyond its state (`phase_memory`'s sync
+    phase): two buckets in flight (the one the engines load and the next one), each up to one
+    tensor over `rollout.weight_update_bucket_mb` (and never more than the model); under expert
+    parallelism each expert tensor is gathered over the expert group, its parts and their join
+    held together."""
+    largest, expert = largest_sync_tensor_bytes(cfg)
+    bucket = min(max(int(cfg.rollout.weight_update_bucket_mb), 1) * 1024**2 + largest, engine_weight_bytes(cfg))
+    out = [(f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB, each up to one tensor over)",
+            2 * bucket)]
+    if cfg.parallel.ep * cfg.parallel.etp > 1 and expert:
+        out.append(("weight-sync expert gather (parts and their join)", 2 * expert))
+    return out
+
+
 def sglang_kv_tokens(cfg: VlmrlConfig) -> float:
     """The tokens one SGLang engine GPU's KV cache holds: its static pool
     (`mem_fraction_static` x GPU memory) less the engine's weights; for a hybrid model the
@@ -561,7 +591,7 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
       their processes.
     - train: the trainer's state and the activations of a training micro-batch.
     - sync: the trainer's state, the engines' weights (resumed, KV cache and graphs still
-      released) and two buckets of `rollout.weight_update_bucket_mb` in flight.
+      released) and two buckets in flight (`sync_transient_bytes`).
     - save (only where a checkpoint's save gathers on the device, `checkpoint_device_bytes`):
       the trainer's state and the gather, the engines released.
 
@@ -591,15 +621,13 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
                 PhaseMemory("train", "trainer", tuple(on_trainer + train_acts)),
                 *([PhaseMemory("save", "trainer", tuple(on_trainer + save_gather))] if gather else [])]
     kept = [] if offload else state
-    # a bucket fills up to its size or the whole model, whichever is smaller
-    bucket = min(max(int(cfg.rollout.weight_update_bucket_mb), 1) * 1024**2, engine_weight_bytes(cfg))
     return [
         PhaseMemory("rollout", "shared", tuple(_engine_generating(cfg) + kept + trainer_process + trainer_graphs)),
         PhaseMemory("logprob", "shared", tuple(state + trainer_process + trainer_graphs + fwd_acts + released_engine)),
         PhaseMemory("train", "shared", tuple(state + trainer_process + trainer_graphs + train_acts + released_engine)),
         PhaseMemory("sync", "shared", tuple(state + trainer_process + trainer_graphs + [
             *([] if _engine_on_host(cfg) else [("engine weights (resumed)", engine_weight_bytes(cfg))]),
-            (f"weight-sync buckets (2 x {cfg.rollout.weight_update_bucket_mb} MB)", 2 * bucket),
+            *sync_transient_bytes(cfg),
             *[(name.removeprefix("released "), b) for name, b in released_engine]])),
         *([PhaseMemory("save", "shared", tuple(state + trainer_process + trainer_graphs + save_gather + released_engine))]
           if gather else []),
