@@ -192,6 +192,24 @@ def test_tp_wider_than_the_kv_groups(which):
         assert r.roundtrip == 0.0
 
 
+# eight processes on CI's two cores (minutes): `make test-all` runs it
+@pytest.mark.slow
+def test_the_recipe_layout_on_eight_ranks_matches_one_process():
+    """The reference recipe's layout, TP2 + SP with EP8 and full recompute, on eight CPU
+    processes (four data-parallel ranks; the tiny model's eight experts, one a rank): logits
+    and gradients equal one process' within the bounds the two-rank layouts meet, and the
+    weights round-trip bitwise."""
+    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    assert model.lm.num_experts == 8
+    recipe = ParallelConfig(tp=2, ep=8, sequence_parallel=True, recompute_granularity="full")
+    res = run_in_processes(parity.worker, 8, model, [parity.single_layout(8), recipe], 0, False,
+                           timeout_s=1200)[0]
+    r = res[parity.layout_name(recipe)]
+    assert parity.max_abs_diff(r.logits, res["single"].logits) <= parity.LOGITS_VS_SINGLE
+    assert parity.max_abs_diff(r.grads, res["single"].grads) <= parity.GRADS_VS_SINGLE
+    assert r.roundtrip == 0.0
+
+
 def test_fused_kernels_match_hf_for_qwen35_moe():
     """hardware.fused_kernels on the Qwen3.5-MoE miniature: every layer, Gated DeltaNet and gated
     attention alike, runs as compiled graphs around its eager kernels (`FusedTransformerLayer`;
