@@ -120,7 +120,10 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
     `_set_main_param_and_optimizer_states`, which copies every key the live state has and so
     asks the saved tensors for a "step" they never carry (`KeyError: 'step'` on the first
     resume on an H200). The setter here copies the saved tensors and leaves the counter as
-    `load_state_dict` set it. Applied to each DistributedOptimizer instance; megatron's own
+    `load_state_dict` set it. It copies without autograd: the dp_reshardable format's load calls
+    the setter outside `torch.no_grad()`, and copying into a main parameter (a leaf that requires
+    grad) raised "a view of a leaf Variable that requires grad is being used in an in-place
+    operation" (H100, 2026-12-06). Applied to each DistributedOptimizer instance; megatron's own
     files stay as they are."""
     patched = 0
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -128,6 +131,7 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
         if setter is None or getattr(setter, "vlmrl_keeps_step", False):
             continue
 
+        @torch.no_grad()  # dp_reshardable's load copies into the main parameters (leaves that require grad)
         def set_states(model_param: Any, tensors: dict[str, Any], _setter: Any = setter, _opt: Any = chained) -> None:
             config = getattr(_opt, "config", None)
             if "step" in tensors or getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
