@@ -351,3 +351,16 @@ def test_values_that_start_with_a_dash_reach_sglangs_argparse_intact():
     assert parsed["port"] == "30000" and parsed["enable_memory_saver"] is True
     shown = " ".join(redact(argv))
     assert key not in shown and "--api-key=***" in shown and "--admin-api-key=***" in shown
+
+
+def test_a_field_whose_flag_is_deprecated_is_refused_with_its_live_neighbours():
+    """SGLang 0.5.17 and 0.5.23 keep `disable_cuda_graph` as a field but register
+    `--disable-cuda-graph` as deprecated: refused, saying so, and the suggestions are fields that
+    have a flag (not the refused name itself, as the message once listed)."""
+    from vlmrl.contracts.sglang_flags import load_flags
+
+    for version in ("0.5.17", "0.5.23"):
+        with pytest.raises(KeyError, match=r"--disable-cuda-graph is registered as deprecated") as e:
+            load_flags(version).check("disable_cuda_graph")
+        assert "disable_decode_cuda_graph" in str(e.value)
+        assert "disable_cuda_graph," not in str(e.value).split("did you mean", 1)[1]

@@ -121,7 +121,10 @@ class SGLangFlags:
         if info is None:
             raise UnknownSGLangArg(name, self)
         if info.kind == "nocli":
-            raise UnknownSGLangArg(name, self, reason="has no command-line flag")
+            flag = "--" + name.replace("_", "-")
+            reason = (f"has no command-line flag of its own ({flag} is registered as deprecated)"
+                      if flag in self.extra_flags else "has no command-line flag")
+            raise UnknownSGLangArg(name, self, reason=reason)
         return info
 
     def check_value(self, name: str, value: Any) -> FlagInfo:
@@ -141,7 +144,8 @@ class SGLangFlags:
 
 class UnknownSGLangArg(KeyError):
     def __init__(self, name: str, flags: SGLangFlags, reason: str = "is not a ServerArgs field") -> None:
-        close = difflib.get_close_matches(name, list(flags.fields), n=5)
+        close = difflib.get_close_matches(name, [f for f, i in flags.fields.items() if f != name and i.kind != "nocli"],
+                                          n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         super().__init__(f"SGLang {flags.version}: {name!r} {reason}{hint} (see {flags_file(flags.version).name})")
 
