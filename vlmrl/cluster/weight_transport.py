@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..config.layout import Layout
@@ -109,9 +110,14 @@ class WeightTransport(ABC):
         instead of waiting in the next collective for a rank that has left the sync."""
         message = None if error is None else f"{type(error).__name__}: {error}"
         if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [message]
-            dist.broadcast_object_list(box, src=0)
-            message = box[0]
+            # one integer per bucket on the sync's path; the message travels only on failure
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            failed = torch.tensor([int(message is not None)], dtype=torch.int32, device=device)
+            dist.broadcast(failed, src=0)
+            if failed.item():
+                box = [message]
+                dist.broadcast_object_list(box, src=0)
+                message = box[0]
         if error is not None:
             raise error
         if message is not None:
