@@ -134,6 +134,7 @@ PERF_CHECKPOINT_TIME = "perf/checkpoint_time"
 MEMORY_CHECKPOINT_HOST_GIB = "memory/checkpoint_host_gib"
 MEMORY_CHECKPOINT_HOST_PLAN_GIB = "memory/checkpoint_host_plan_gib"
 MEMORY_CHECKPOINT_HOST_COPY_DROPPED_GIB = "memory/checkpoint_host_copy_dropped_gib"
+MEMORY_CHECKPOINT_HOST_KEPT_GIB = "memory/checkpoint_host_kept_gib"  # resident after the save, beyond before it
 
 # Every fixed key (eval keys depend on the dataset names: see eval_key).
 ROLLOUT_KEYS = (ROLLOUT_RAW_REWARD, ROLLOUT_ACCURACY, ROLLOUT_RESPONSE_LEN_MEAN, ROLLOUT_TRUNCATED_RATIO)

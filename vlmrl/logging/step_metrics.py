@@ -114,7 +114,9 @@ def checkpoint_metrics(saved: Mapping[str, Any]) -> dict[str, float]:
     return {mk.PERF_CHECKPOINT_TIME: saved["seconds"],
             mk.MEMORY_CHECKPOINT_HOST_GIB: (saved["host_rss_peak_bytes"] - saved["host_rss_before_bytes"]) / gib,
             mk.MEMORY_CHECKPOINT_HOST_PLAN_GIB: saved["host_need_bytes"] / gib,
-            mk.MEMORY_CHECKPOINT_HOST_COPY_DROPPED_GIB: saved["host_copy_dropped_bytes"] / gib}
+            mk.MEMORY_CHECKPOINT_HOST_COPY_DROPPED_GIB: saved["host_copy_dropped_bytes"] / gib,
+            mk.MEMORY_CHECKPOINT_HOST_KEPT_GIB: (saved.get("host_rss_after_bytes", saved["host_rss_before_bytes"])
+                                                 - saved["host_rss_before_bytes"]) / gib}
 
 
 def eval_metrics(dataset: str, rewards: Sequence[float]) -> dict[str, float]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import compat
+from .offload import release_host_memory
 from .trainer import use_fused_adam
 
 LATEST = "latest"
@@ -190,8 +191,9 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
     `host_need_bytes`, the host memory the plan gives the save (`checkpoint_host_bytes`);
     `host_available_bytes` before it; `host_copy_dropped_bytes`, the pinned offload copy freed
     first where the node's ranks would not fit beside it (the next offload pins it again); and
-    the process's resident memory before and at its peak during the save
-    (`host_rss_before_bytes`, `host_rss_peak_bytes`)."""
+    the process's resident memory before, at its peak during the save and after it
+    (`host_rss_before_bytes`, `host_rss_peak_bytes`, `host_rss_after_bytes`: the staged memory
+    given back, `vlmrl.training.offload.release_host_memory`)."""
     import time
 
     from megatron.core import dist_checkpointing
@@ -205,6 +207,10 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
     dist.barrier()
     with HostPeak() as host:
         dist_checkpointing.save(_sharded_state_dict(trainer, reference=_saves_reference(trainer)), str(path / "dist"))
+    release_host_memory()
+    import psutil
+
+    after = psutil.Process().memory_info().rss
     torch.save(_rng_state(), path / f"rng_{rank}.pt")
     if rank == 0:
         torch.save({"steps": trainer.steps, "scheduler": trainer.scheduler.state_dict(), "extra": extra or {},
@@ -214,7 +220,7 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
     dist.barrier()
     return {"seconds": time.perf_counter() - t0, "host_need_bytes": need, "host_available_bytes": float(available),
             "host_copy_dropped_bytes": dropped, "host_rss_before_bytes": float(host.before),
-            "host_rss_peak_bytes": float(host.peak)}
+            "host_rss_peak_bytes": float(host.peak), "host_rss_after_bytes": float(after)}
 
 
 def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
@@ -253,6 +259,8 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     trainer.steps = meta["steps"]
     trainer.load_scheduler_state(meta["scheduler"])
     _set_rng_state(torch.load(path / f"rng_{dist.get_rank()}.pt", weights_only=False))
+    del state
+    release_host_memory()
     dist.barrier()
     return meta.get("extra", {})
 
@@ -307,6 +315,8 @@ def save_summary(name: str, saved: dict[str, Any]) -> str:
     """One line on a save, from `save_checkpoint`'s report."""
     gib = float(1 << 30)
     taken, dropped = saved["host_rss_peak_bytes"] - saved["host_rss_before_bytes"], saved["host_copy_dropped_bytes"]
+    kept = saved.get("host_rss_after_bytes", saved["host_rss_before_bytes"]) - saved["host_rss_before_bytes"]
     return (f"checkpoint {name}: {saved['seconds']:.1f} s; host memory taken by the save {taken / gib:.1f} GiB "
-            f"(plan {saved['host_need_bytes'] / gib:.1f}; {saved['host_available_bytes'] / gib:.1f} available)"
+            f"(plan {saved['host_need_bytes'] / gib:.1f}; {saved['host_available_bytes'] / gib:.1f} available), "
+            f"{kept / gib:.1f} GiB still held after it"
             + (f"; pinned offload copy of {dropped / gib:.1f} GiB freed first" if dropped else ""))

@@ -295,6 +295,25 @@ class DeviceStateOffload:
         return _figures(held[STATE_TAG] + held[GRADS_TAG], held[STATE_TAG], seconds)
 
 
+def release_host_memory() -> None:
+    """Give back to the OS the host memory that staged state and is free again. A checkpoint's
+    save: megatron-core's writer copies every tensor to the host with `.to("cpu",
+    non_blocking=True)`, pinned memory from torch's caching host allocator, which keeps freed
+    blocks cached and pinned in the process (the whole staged state, for the rest of the run);
+    emptying that cache returns them. A load or the start's weight read: glibc keeps freed
+    pageable memory in its arenas; `malloc_trim` returns it."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _figures(total: int, copied: int, seconds: float, *, already: bool = False) -> dict[str, float]:
     """bytes: device bytes of the trainer's state that left (or came back); copied_bytes: the
     part with a host copy (the gradients have none); gb_per_s: copied bytes per second

@@ -219,6 +219,9 @@ class MegatronTrainer:
         self._check_attention_backend()
         lap("check_attention")
         adapters.load_hf_weights(chunks, cfg.model, model_path)
+        from .offload import release_host_memory
+
+        release_host_memory()  # the checkpoint's tensors were read through host memory
         lap("load_weights")
         self.ref_chunks = None
         # what the reference model holds: "initial" (the start checkpoint) or "warmup" (the
@@ -268,8 +271,12 @@ class MegatronTrainer:
         self.tp_group = mps.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
         self.steps = 0
         if self.info.rank == 0:  # where a slow start went (kernel compiles happen in the checks)
-            print("trainer start, host s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.init_phases_s.items()),
-                  flush=True)
+            import psutil
+
+            copy = self.host_copy_bytes
+            print("trainer start, host s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.init_phases_s.items())
+                  + f"; rank 0 resident {psutil.Process().memory_info().rss / 2**30:.1f} GiB"
+                  + (f" (pinned offload copy {copy / 2**30:.1f} GiB)" if copy else ""), flush=True)
 
     # ------------------------------------------------------------------ setup
     def _check_gdn_fast_path(self) -> None:
