@@ -342,6 +342,42 @@ def test_plan_holds_the_scaled_h200_run_within_ten_percent(run):
         assert compare_phase_memory({"train": trainer}, {"train": r["memory/train_trainer_gib"] * GIB}) == [], r["step"]
 
 
+# the real-width run (bench/results/real-width.md): every published dimension of Qwen3.5-35B-A3B,
+# two layers (one Gated DeltaNet, one gated attention), colocated with SGLang 0.5.17 on one H100
+REAL_WIDTH_H100 = [
+    "model=qwen3_5_35b_a3b", "model.lm.num_layers=2", "model.lm.layer_types=[linear_attention,full_attention]",
+    "hardware=h100", "cluster.num_gpus=1", "cluster.colocate=true", "rollout=sglang", "rollout.num_gpus=1",
+    "data=synthetic", "data.min_pixels=3136", "data.max_pixels=1003520", "data.max_prompt_length=2048",
+    "data.synthetic.image_size=512", "algo.sft_steps=0", "algo.kl_coef=0", "algo.n_samples_per_prompt=8",
+    "rollout.batch_size=8", "trainer.global_batch_size=64", "rollout.max_new_tokens=512",
+    "hardware.lm_attention_backend=sdpa", "hardware.vision_attn_implementation=sdpa", "hardware.gdn_backend=torch",
+    "hardware.cuda_graphs=false", "parallel.max_tokens_per_gpu=2048", "algo.routing_replay=rollout",
+    "+rollout.sglang.server_args.disable_decode_cuda_graph=true"]
+
+
+def test_plan_holds_the_real_width_h100_run_within_ten_percent():
+    """The real-width run's five colocated steps (2026-12-06 15:36, one H100): each phase's
+    peak and the save's host memory (45.0 GiB taken, the plan's 41.0) within 10% of the plan,
+    which is the plan the run itself logged."""
+    import json
+
+    cfg = _cfg(*REAL_WIDTH_H100)
+    est = phase_estimates(cfg)
+    rows = [json.loads(line) for line in
+            (RESULTS / "real-width" / "loop-h100-20261206-1536" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "memory/rollout_gib" in r]
+    assert len(steps) == 5
+    for r in steps:
+        for ph in ("rollout", "train", "sync"):
+            assert r[f"memory/{ph}_plan_gib"] == pytest.approx(est[ph] / GIB, rel=1e-3), (ph, r["step"])
+        measured = {ph: r[f"memory/{ph}_gib"] * GIB for ph in ("rollout", "train", "sync")}
+        assert compare_phase_memory(est, measured) == [], r["step"]
+    (save,) = [r for r in rows if "memory/checkpoint_host_gib" in r]
+    assert save["memory/checkpoint_host_plan_gib"] == pytest.approx(checkpoint_host_bytes(cfg) / GIB, rel=1e-3)
+    assert compare_phase_memory({"save": checkpoint_host_bytes(cfg)},
+                                {"save": save["memory/checkpoint_host_gib"] * GIB}) == []
+
+
 # --------------------------------------------------------------- host memory at a checkpoint's save
 def test_checkpoint_host_bytes_counts_the_optimizer_gather():
     """The scaled 2.88B Qwen3.5-MoE on one H200 (bf16, distributed optimizer) saving its
