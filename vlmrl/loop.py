@@ -18,8 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .algo import compute_advantages
-from .algo.advantages import keeps_group
+from .algo.advantages import compute_advantages, keeps_group
 from .cluster.colocation import Colocation
 from .cluster.engine_group import EngineGroup
 from .cluster.engine_weights import EngineWeights
@@ -138,8 +137,8 @@ class Loop:
                                                     progress=progress, eval_mode=True, restart_engine=restart)
 
     async def _restart_engine(self, i: int) -> None:
-        await self.engine_group.restart(i, after=lambda j: self.weights.resync_restarted(j, self.trainer,
-                                                                                           self.engine_group))
+        group = self.engine_group
+        await group.restart(i, after=lambda j: self.weights.resync_restarted(j, self.trainer, group))
 
     # ------------------------------------------------------------ checkpoints
     def _restore(self, path: Path) -> None:
@@ -319,7 +318,7 @@ class Loop:
         cfg, colo = self.cfg, self.weights.colo
         counts = StepCounts(
             dropped_groups=batch.stats.dropped_groups, retries=batch.stats.retries,
-            engine_restarts=batch.stats.engine_restarts + (colo.take_restarts() if colo else 0),
+            engine_restarts=batch.stats.engine_restarts + self.weights.take_restarts(),
             stale_samples=stale, skipped=skipped, reward_timeouts=self.pool.stats.timeouts,
             reward_retries=self.pool.stats.retries, reward_errors=self.pool.stats.errors,
             data_skipped_rows=self.train_data.skips.total)

@@ -422,6 +422,30 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, ca
         assert not leaks, leaks  # not in the config, the metrics, the logs or the checkpoints
 
 
+def test_engine_killed_in_a_weight_sync_is_restarted_and_synced_again(tmp_path, cache_dir, monkeypatch):
+    """kill -9 of the engine process as it takes the step-1 weight sync, over SGLang's protocol
+    from two trainer ranks (DP2, the broadcast group): rank 0's failure reaches both ranks, the
+    loop restarts the engine and sends the whole sync again, and training goes on. The
+    restarted engine generates from the synced weights (its logprobs are the trainer's) and the
+    restart is counted. Before, the sync's error ended the run."""
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+    from vlmrl.rollout.faults import KILL_ENGINE_ON_SYNC_ENV
+
+    marker = tmp_path / "engine-killed"
+    # the first weight update is the SFT warm-up's sync, the second step 1's
+    monkeypatch.setenv(KILL_ENGINE_ON_SYNC_ENV, f"2:{marker}")
+    train(_config(tmp_path / "run", cache_dir, ["rollout.embedded.serve_http=true", "cluster.num_cpu_ranks=2",
+                                                "save_hf=false"]))
+    assert marker.exists()  # the engine process did die
+    rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
+    assert [r["rl_step"] for r in rows] == [1, 2]
+    assert [r["rollout/engine_restarts"] for r in rows] == [1, 0]
+    for r in rows:
+        assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
 def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_dir, tiny_checkpoint):
     """reward=constant scores every response 0.9 (a format score: well-formed and wrong), so
     every group is all-equal. Through the whole loop (reward pool, float64 advantages, packed

@@ -218,9 +218,32 @@ class EngineGroup:
         dead = [d for d in asyncio.run(move_all()) if d is not None]
         for i, err in dead:
             print(f"engine {i} died in {method} ({type(err).__name__}: {err}); restarting it")
-            self.restart_process(i)
-            drop = [t for t in MEMORY_TAGS if t not in after]
-            if drop:
-                self.call("release_memory_occupation", drop, only=i)
+            self._restart_holding(i, after)
         return [i for i, _ in dead]
+
+    def _restart_holding(self, i: int, holds: set[str]) -> None:
+        """Restart engine i's process and have it give back what the others do not hold: a new
+        server comes up holding all its memory and the start checkpoint's weights."""
+        self.restart_process(i)
+        drop = [t for t in MEMORY_TAGS if t not in holds]
+        if drop:
+            self.call("release_memory_occupation", drop, only=i)
+
+    def restart_dead(self) -> list[int]:
+        """Restart every engine whose process no longer answers (after a call to the engines
+        failed: a weight sync), each holding what the others hold; their indices. Nothing where
+        engines cannot be restarted."""
+        if not self.can_restart:
+            return []
+
+        async def probe() -> list[bool]:
+            try:
+                return list(await asyncio.gather(*(engine_answers(e, alive=True) for e in self.admin)))
+            finally:
+                await close_sessions(self.admin)
+
+        dead = [i for i, ok in enumerate(asyncio.run(probe())) if not ok]
+        for i in dead:
+            self._restart_holding(i, set(self.resident))
+        return dead
 

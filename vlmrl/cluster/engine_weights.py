@@ -19,6 +19,7 @@ class EngineWeights:
         self.trained = False  # the trainer took an optimizer step since that sync
         self.last_bytes = 0  # bytes the last sync sent each engine
         self.last_phases: dict[str, float] = {}  # rank 0's transport phases of the last sync
+        self.restarts = 0  # engines restarted because their process died in a sync (`take_restarts`)
 
     def phase(self, name: str, trainer: Any, group: Any) -> None:
         """Colocated: move device memory to phase `name`. Before generating, engines that came
@@ -40,9 +41,21 @@ class EngineWeights:
         (`reset_links`: an engine behind a URL was restarted, so the transport's links are new)."""
         self.phase("sync", trainer, group)
         t0 = time.perf_counter()
-        self.last_bytes = int(trainer.sync_weights(group.sync_targets, bucket_bytes=self.bucket_bytes,
-                                                   weight_version=version, reset_links=reset_links,
-                                                   api_key=group.key) or 0)
+        send = lambda reset: trainer.sync_weights(group.sync_targets, bucket_bytes=self.bucket_bytes,  # noqa: E731
+                                                  weight_version=version, reset_links=reset, api_key=group.key)
+        try:
+            sent = send(reset_links)
+        except Exception as err:
+            # every trainer rank raised rank 0's error (the transport agrees on it); an engine
+            # whose process died in the sync is restarted and the whole sync sent again, once
+            dead = group.restart_dead()
+            if not dead:
+                raise
+            print(f"engine(s) {dead} died in the weight sync ({type(err).__name__}: {err}); restarted, syncing again",
+                  flush=True)
+            self.restarts += len(dead)
+            sent = send(group.http)
+        self.last_bytes = int(sent or 0)
         seconds = time.perf_counter() - t0
         self.last_phases = trainer.sync_phases()  # read after the clock: not part of the sync
         self.version = version  # every sample generated from now on should report it
@@ -50,6 +63,11 @@ class EngineWeights:
         if self.colo is not None:
             self.colo.synced()
         return seconds
+
+    def take_restarts(self) -> int:
+        """Engines restarted since the last call: in a sync, and (colocated) in a memory move."""
+        out, self.restarts = self.restarts, 0
+        return out + (self.colo.take_restarts() if self.colo is not None else 0)
 
     def resync_restarted(self, i: int, trainer: Any, group: Any) -> None:
         """Give restarted engine `i` the trainer's current weights, so the retried requests are

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .faults import KILL_ENGINE_ON_RELEASE_ENV, KillSwitch
+from .faults import KILL_ENGINE_ON_RELEASE_ENV, KILL_ENGINE_ON_SYNC_ENV, KillSwitch
 from .protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -213,6 +213,7 @@ class EmbeddedEngine:
         self.released_tags: set[str] = set()  # memory given up (colocated training)
         self.kill_switch = KillSwitch.from_env()
         self.release_kill_switch = KillSwitch.from_env(KILL_ENGINE_ON_RELEASE_ENV)
+        self.sync_kill_switch = KillSwitch.from_env(KILL_ENGINE_ON_SYNC_ENV)
         self._lock = threading.Lock()  # one batch (or weight update) at a time
         self._prompt_cache: OrderedDict[Any, _Prepared] = OrderedDict()
         self._prompt_cache_size = int(prompt_cache_size)
@@ -660,6 +661,8 @@ class EmbeddedEngine:
                                          weight_version: str | None = None) -> None:
         for bucket in bucketize(named_tensors, bucket_bytes):
             await asyncio.to_thread(self.load_named_tensors, bucket)
+        if self.sync_kill_switch is not None:  # fault injection (vlmrl.rollout.faults), tests only
+            self.sync_kill_switch.count(1)
         if weight_version is not None:
             self.weight_version = str(weight_version)
 

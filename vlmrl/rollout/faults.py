@@ -5,7 +5,8 @@ process makes it kill itself with SIGKILL (no cleanup, as an out-of-memory kill 
 failure would) when its n-th generate request arrives, with requests still in flight.
 `VLMRL_FAULT_KILL_ENGINE_ON_RELEASE="<n>:<marker file>"` does the same at its n-th
 release_memory_occupation call, before releasing anything (SGLang's scheduler has died there:
-bench/results/learning-precision.md). Each does so once: it writes the marker file first, and
+bench/results/learning-precision.md). `VLMRL_FAULT_KILL_ENGINE_ON_SYNC="<n>:<marker file>"` does it at
+its n-th weight update (a bucket of a sync), after taking the bucket in. Each does so once: it writes the marker file first, and
 a restarted engine that finds the file lives on. Unset, nothing happens.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 KILL_ENGINE_ENV = "VLMRL_FAULT_KILL_ENGINE"
 KILL_ENGINE_ON_RELEASE_ENV = "VLMRL_FAULT_KILL_ENGINE_ON_RELEASE"
+KILL_ENGINE_ON_SYNC_ENV = "VLMRL_FAULT_KILL_ENGINE_ON_SYNC"
 
 
 class KillSwitch:
