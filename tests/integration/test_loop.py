@@ -446,6 +446,29 @@ def test_engine_killed_in_a_weight_sync_is_restarted_and_synced_again(tmp_path, 
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
+def test_engine_killed_mid_sync_under_tensor_parallelism_stops_every_rank_at_that_bucket(tmp_path, cache_dir,
+                                                                                           monkeypatch):
+    """The broadcast sync from two TP ranks in small buckets, its engine killed at the warm-up
+    sync's second bucket: each bucket is gathered over the TP group before rank 0 sends it, so
+    rank 1 must not go on to the next bucket's gather while rank 0 has left the sync. Every rank
+    stops at that bucket, the engine is restarted, the sync is sent again, and the run goes on.
+    Before, rank 1 waited in the next gather while rank 0 waited in the error's broadcast."""
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+    from vlmrl.rollout.faults import KILL_ENGINE_ON_SYNC_ENV
+
+    marker = tmp_path / "engine-killed"
+    monkeypatch.setenv(KILL_ENGINE_ON_SYNC_ENV, f"2:{marker}")
+    train(_config(tmp_path / "run", cache_dir, ["rollout.embedded.serve_http=true", "cluster.num_cpu_ranks=2",
+                                                "parallel.tp=2", "rollout.weight_update_bucket_mb=1",
+                                                "save_hf=false", "num_steps=1"]))
+    assert marker.exists()
+    rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
+    assert [r["rl_step"] for r in rows] == [1]
+    assert rows[0]["rollout/engine_restarts"] == 1 and rows[0]["perf/update_weights_buckets"] >= 3
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
 def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_dir, tiny_checkpoint):
     """reward=constant scores every response 0.9 (a format score: well-formed and wrong), so
     every group is all-equal. Through the whole loop (reward pool, float64 advantages, packed

@@ -263,10 +263,15 @@ class BroadcastTransport(WeightTransport):
                 self.engines, host, backend=cfg.hardware.dist_backend))
 
     def _send_bucket(self, bucket: Bucket, *, last: bool, version: str | None, lap: Callable[[str], None]) -> None:
+        failed = None
         if self.rank == 0:
-            self.loop.run_until_complete(wt.update_weights_distributed(
-                self.engines, self.group, bucket, bucket_bytes=None, weight_version=version, final=last))
+            failed = _caught(lambda: self.loop.run_until_complete(wt.update_weights_distributed(
+                self.engines, self.group, bucket, bucket_bytes=None, weight_version=version, final=last)))
             lap("engines")
+        # rank 0's outcome before the next bucket: the other ranks gather it with rank 0 (TP, EP),
+        # and would wait there for a rank 0 that left the sync
+        self._agree(failed)
+        lap("barrier")
 
     def close(self) -> None:
         """Leave the broadcast group (a restarted engine starts without it), then the clients."""
