@@ -18,6 +18,14 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     return spawn_local(fn, world_size, *args, backend="gloo", timeout_s=timeout_s)
 
 
+def parity_runs_worker(rank: int, world_size: int, runs: list[tuple]) -> list[Any]:
+    """`vlmrl.parity.worker` once per argument tuple of `runs`, one after the other in the same
+    processes (one process start and one import of Megatron for all of them)."""
+    from vlmrl import parity
+
+    return [parity.worker(rank, world_size, *args) for args in runs]
+
+
 def gather_payloads_worker(rank: int, world_size: int, cases: list[tuple[list[list[int]], list[int]]]) -> Any:
     """For each case (sources, senders), in one process group: each sending rank serializes its
     own bucket (a tensor holding its rank) in the embedded server's host format; rank 0 collects
