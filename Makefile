@@ -13,12 +13,13 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6"
 PYTEST_ARGS ?=
 ARGS ?=
 # pytest-xdist workers for the CPU suite, a test file at a time per worker (a file's module
-# fixtures, such as the learning run, are built once), each worker and the processes it starts
-# pinned to its own cores (tests/conftest.py). On two cores: 13-16 minutes, a third of it the
-# learning run's (bench/results/suite.md). TEST_WORKERS=0 runs it in one process. On a
-# machine with a GPU the tests share one device, so they run in one process there.
+# fixtures, such as the learning run, are built once) in collection order, the longest files
+# first (tests/conftest.py; xdist's own order, most tests first, left the learning run's file
+# for last), each worker and the processes it starts pinned to its own cores. Wall times on two
+# cores: bench/results/suite.md. TEST_WORKERS=0 runs it in one process. On a machine with a GPU
+# the tests share one device, so they run in one process there.
 TEST_WORKERS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 2)
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: help setup train test test-fast test-all check-wheel lint bench plan sglang-contract clean
 

@@ -31,7 +31,19 @@ def pytest_configure(config):
     os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
 
 
+# The files that hold a worker longest on two cores (bench/results/suite.md), in that order, run
+# first. `make test` hands pytest-xdist's workers a file at a time in collection order
+# (`--dist loadfile --no-loadscope-reorder`): a long file taken last runs alone while the other
+# worker idles. xdist's own order (most tests first) took the learning run's file, which has
+# few tests, near the end.
+LONGEST_FIRST = tuple(f"tests/integration/{name}.py" for name in (
+    "test_learning", "test_loop", "test_qwen35_parity", "test_trainer", "test_rollout_http", "test_resume",
+    "test_megatron_parity"))
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
     try:
         import torch
 

@@ -18,18 +18,33 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     return spawn_local(fn, world_size, *args, backend="gloo", timeout_s=timeout_s)
 
 
-def gather_payloads_worker(rank: int, world_size: int, sources: list[list[int]], senders: list[int]) -> Any:
-    """Each sending rank serializes its own bucket (a tensor holding its rank) in the
-    embedded server's host format; rank 0 collects them per engine."""
+def parity_runs_worker(rank: int, world_size: int, runs: list[tuple]) -> list[Any]:
+    """`vlmrl.parity.worker` once per argument tuple of `runs`, one after the other in the same
+    processes (one process start and one import of Megatron for all of them)."""
+    from vlmrl import parity
+
+    return [parity.worker(rank, world_size, *args) for args in runs]
+
+
+def gather_payloads_worker(rank: int, world_size: int, cases: list[tuple[list[list[int]], list[int]]]) -> Any:
+    """For each case (sources, senders), in one process group: each sending rank serializes its
+    own bucket (a tensor holding its rank) in the embedded server's host format; rank 0 collects
+    them per engine. Per case, rank 0 returns the values per engine or the error it raised."""
     import torch
 
     from vlmrl.rollout.weights import decode_torch_payload, gather_rank_payloads, serialize_payload
 
-    mine = serialize_payload([("w", torch.full((2,), float(rank)))], "torch_save") if rank in senders else None
-    per_engine = gather_rank_payloads(mine, sources)
-    if per_engine is None:
-        return None
-    return [[float(decode_torch_payload(p)[0][1][0]) for p in payloads] for payloads in per_engine]
+    out: list[Any] = []
+    for sources, senders in cases:
+        mine = serialize_payload([("w", torch.full((2,), float(rank)))], "torch_save") if rank in senders else None
+        try:  # rank 0 raises after the collective: the other ranks are not left waiting
+            per_engine = gather_rank_payloads(mine, sources)
+        except RuntimeError as e:
+            out.append(f"RuntimeError: {e}")
+            continue
+        out.append(None if per_engine is None else
+                   [[float(decode_torch_payload(p)[0][1][0]) for p in payloads] for payloads in per_engine])
+    return out
 
 
 def compiled_moe_worker(rank: int, world_size: int, tokens: int, device: str = "cpu") -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Megatron Qwen3.5 (Gated DeltaNet + gated attention, dense or MoE) vs HF transformers, and
 every parallel layout vs one process (CPU, gloo, fp32): the acceptance gate of the family.
 
-One pair of gloo processes per model runs the HF reference (one sample at a time:
+One pair of gloo processes runs, for each model, the HF reference (one sample at a time:
 transformers' Gated DeltaNet ignores packing), the single-process Megatron model (which
 also runs each sample alone, the state-leak check) and the layouts, on a batch with images,
 two images in one sample, and a 520-token sample whose slow decays carry its start to its end. The MoE miniature runs
@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from _dist import run_in_processes
+from _dist import parity_runs_worker, run_in_processes
 
 from vlmrl import parity
 from vlmrl.config import load
@@ -30,20 +30,40 @@ DENSE_LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2+sp": ParallelConfig(tp=2, seq
                  "pp2": ParallelConfig(pp=2), "cp2": ParallelConfig(cp=2)}
 
 
-def _run(option: str, layouts: dict[str, ParallelConfig]) -> dict[str, parity.RunResult]:
-    model = load([f"model={option}"], check_rules=False).model
-    return run_in_processes(parity.worker, 2, model, [parity.single_layout(2), *layouts.values()], 0,
-                            timeout_s=300)[0]
+# routing replay: the tokens a rank routes are cut by sequence parallelism (TP slices), the
+# CP zigzag and nothing else (EP routes before dispatch, PP keeps whole layers); these two
+# layouts hold every cut. All five MoE layouts ran on 2026-12-04 (`python -m vlmrl.parity ...
+# algo.routing_replay=rollout parallel...`, README).
+REPLAY_LAYOUTS = {k: MOE_LAYOUTS[k] for k in ("cp2", "tp2+ep2+sp")}
 
 
 @pytest.fixture(scope="module")
-def moe_results():
-    return _run("tiny_qwen3_5_moe", MOE_LAYOUTS)
+def two_rank_runs():
+    """The MoE layouts, the MoE layouts replaying random engine experts
+    (`parity.with_engine_experts`) and the dense layouts, in one pair of gloo processes: each
+    process start imports Megatron, seconds apiece on a suite worker's core."""
+    moe = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
+    dense = load(["model=tiny_qwen3_5"], check_rules=False).model
+    single = parity.single_layout(2)
+    runs = [(moe, [single, *MOE_LAYOUTS.values()], 0),
+            (moe, [single, *REPLAY_LAYOUTS.values()], 0, False, False, None, "torch", True),
+            (dense, [single, *DENSE_LAYOUTS.values()], 0)]
+    return run_in_processes(parity_runs_worker, 2, runs, timeout_s=900)[0]
 
 
 @pytest.fixture(scope="module")
-def dense_results():
-    return _run("tiny_qwen3_5", DENSE_LAYOUTS)
+def moe_results(two_rank_runs):
+    return two_rank_runs[0]
+
+
+@pytest.fixture(scope="module")
+def replay_results(two_rank_runs):
+    return two_rank_runs[1]
+
+
+@pytest.fixture(scope="module")
+def dense_results(two_rank_runs):
+    return two_rank_runs[2]
 
 
 @pytest.mark.parametrize("which", ["moe", "dense"])
@@ -66,21 +86,6 @@ def test_moe_layout_matches_single(moe_results, layout):
     assert parity.max_abs_diff(res.logits, moe_results["single"].logits) <= parity.LOGITS_VS_SINGLE
     assert parity.max_abs_diff(res.grads, moe_results["single"].grads) <= parity.GRADS_VS_SINGLE
     assert res.roundtrip == 0.0 and res.buckets > 1
-
-
-# routing replay: the tokens a rank routes are cut by sequence parallelism (TP slices), the
-# CP zigzag and nothing else (EP routes before dispatch, PP keeps whole layers); these two
-# layouts hold every cut. All five MoE layouts ran on 2026-12-04 (`python -m vlmrl.parity ...
-# algo.routing_replay=rollout parallel...`, README).
-REPLAY_LAYOUTS = {k: MOE_LAYOUTS[k] for k in ("cp2", "tp2+ep2+sp")}
-
-
-@pytest.fixture(scope="module")
-def replay_results():
-    """MoE layouts replaying random engine experts (`parity.with_engine_experts`)."""
-    model = load(["model=tiny_qwen3_5_moe"], check_rules=False).model
-    return run_in_processes(parity.worker, 2, model, [parity.single_layout(2), *REPLAY_LAYOUTS.values()], 0,
-                            False, False, None, "torch", True, timeout_s=300)[0]
 
 
 def test_routing_replay_routes_by_the_engine_in_every_layout(replay_results):

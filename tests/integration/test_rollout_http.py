@@ -473,13 +473,16 @@ def test_ipc_payloads_unpickle_only_torch_objects(engine, server, tmp_path):
 
 def test_rank_payloads_are_gathered_in_engine_rank_order():
     """Over gloo: every trainer rank serializes its own copy; rank 0 receives them per
-    engine in TP-rank order (each from the rank on that engine rank's device)."""
+    engine in TP-rank order (each from the rank on that engine rank's device), and names an
+    engine's rank that sent nothing. Both cases in one process group (each gloo process
+    imports Megatron: seconds apiece on a shared core)."""
     from _dist import gather_payloads_worker, run_in_processes
 
-    out = run_in_processes(gather_payloads_worker, 3, [[2, 0], [1]], [0, 1, 2], timeout_s=120)
-    assert out[0] == [[2.0, 0.0], [1.0]] and out[1] is None and out[2] is None
-    with pytest.raises(RuntimeError, match=r"trainer ranks \[1\] sent no weight payload"):
-        run_in_processes(gather_payloads_worker, 2, [[0, 1]], [0], timeout_s=120)
+    out = run_in_processes(gather_payloads_worker, 3, [([[2, 0], [1]], [0, 1, 2]), ([[0, 1]], [0])], timeout_s=120)
+    assert out[0][0] == [[2.0, 0.0], [1.0]] and out[1][0] is None and out[2][0] is None
+    # rank 2 sends nothing either, but no engine reads it
+    assert out[0][1] == "RuntimeError: engine 0: trainer ranks [1] sent no weight payload", out[0][1]
+    assert out[1][1] is None and out[2][1] is None
 
 
 def test_duplicate_request_ids_are_refused_like_sglang(engine, server):
