@@ -41,8 +41,10 @@ class EngineWeights:
         (`reset_links`: an engine behind a URL was restarted, so the transport's links are new)."""
         self.phase("sync", trainer, group)
         t0 = time.perf_counter()
-        send = lambda reset: trainer.sync_weights(group.sync_targets, bucket_bytes=self.bucket_bytes,  # noqa: E731
-                                                  weight_version=version, reset_links=reset, api_key=group.key)
+        def send(reset: bool) -> Any:
+            return trainer.sync_weights(group.sync_targets, bucket_bytes=self.bucket_bytes, weight_version=version,
+                                        reset_links=reset, api_key=group.key)
+
         try:
             sent = send(reset_links)
         except Exception as err:

@@ -5,9 +5,10 @@ process makes it kill itself with SIGKILL (no cleanup, as an out-of-memory kill 
 failure would) when its n-th generate request arrives, with requests still in flight.
 `VLMRL_FAULT_KILL_ENGINE_ON_RELEASE="<n>:<marker file>"` does the same at its n-th
 release_memory_occupation call, before releasing anything (SGLang's scheduler has died there:
-bench/results/learning-precision.md). `VLMRL_FAULT_KILL_ENGINE_ON_SYNC="<n>:<marker file>"` does it at
-its n-th weight update (a bucket of a sync), after taking the bucket in. Each does so once: it writes the marker file first, and
-a restarted engine that finds the file lives on. Unset, nothing happens.
+bench/results/learning-precision.md). `VLMRL_FAULT_KILL_ENGINE_ON_SYNC="<n>:<marker file>"` does it
+at its n-th weight update (a bucket of a sync), after taking the bucket in. Each does so once: it
+writes the marker file first, and a restarted engine that finds the file lives on. Unset, nothing
+happens.
 """
 
 from __future__ import annotations
