@@ -296,26 +296,35 @@ def test_reference_recipe_in_miniature(tmp_path, cache_dir, layout):
 
 # eight ranks on CI's two cores (minutes): `make test-all` runs it
 @pytest.mark.slow
-def test_reference_recipe_layout_on_eight_cpu_ranks(tmp_path, cache_dir):
+def test_reference_recipe_layout_on_eight_cpu_ranks(tmp_path, cache_dir, monkeypatch):
     """The recipe's own layout, not a miniature of it: eight gloo processes, TP2 + SP, EP8 (the
     tiny model's eight experts, one a rank: the expert group spans all four data-parallel
     ranks), full recompute, micro-batch 1. The step's samples are split over the data-parallel
     ranks by tokens, so the ranks' micro-batch counts differ from step to step: each rank runs
-    as many (fillers where it has fewer). Two GRPO steps after the SFT warm-up with a checkpoint,
-    the engine's logprobs equal to the trainer's after every sync, then a resume to step 3."""
+    as many (fillers where it has fewer). The engine is killed in the middle of step 1's rollout
+    with no retries, so that step loses the groups in flight and trains on what is left (the
+    engine restarted and synced). Two GRPO steps after the SFT warm-up with a checkpoint, the
+    engine's logprobs equal to the trainer's after every sync, then a resume to step 3."""
     from vlmrl.config import compute_layout, load
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
+    from vlmrl.rollout.faults import KILL_ENGINE_ENV
 
-    args = [f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}", *RECIPE_ON_CPU, *SHORT, "save_hf=false",
-            "cluster.num_cpu_ranks=8", "parallel.ep=8"]
+    marker = tmp_path / "engine-killed"
+    # 8 eval requests after the warm-up come first, four at a time; the 14th request is in the
+    # last wave of step 1's rollout of 4 x 4: the groups in flight then are lost, the others kept
+    monkeypatch.setenv(KILL_ENGINE_ENV, f"14:{marker}")
+    args = [f"run_dir={tmp_path / 'run'}", f"model.cache_dir={cache_dir}", *RECIPE_ON_CPU, *SHORT, "save_hf=false",
+            "cluster.num_cpu_ranks=8", "parallel.ep=8", "rollout.max_retries=0", "rollout.max_in_flight=4"]
     cfg = load(args)
     layout = compute_layout(cfg)
     assert (layout.trainer_world_size, layout.dp, cfg.parallel.tp, cfg.parallel.ep) == (8, 4, 2, 8)
     assert train(cfg)["rl_steps"] == 2
+    assert marker.exists()
     assert train(load([*args, "num_steps=3"]))["rl_steps"] == 3
-    rl = [r for r in read_metrics(tmp_path) if "rl_step" in r]
+    rl = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
     assert [r["rl_step"] for r in rl] == [1, 2, 3]
+    assert rl[0]["rollout/dropped_groups"] >= 1 and rl[0]["rollout/engine_restarts"] == 1, rl[0]
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
     assert all(r["perf/micro_batches"] >= 1 for r in rl)
 
