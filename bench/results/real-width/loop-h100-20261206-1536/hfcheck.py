@@ -1,4 +1,4 @@
-"""Issue 54 item 4: the real-width HF export (run A's hf/) in transformers and in SGLang 0.5.17:
+"""The real-width HF export (run A's hf/) in transformers and in SGLang 0.5.17:
 greedy tokens of both on an image prompt and a text prompt, with SGLang's top-2 logprobs."""
 import base64, io, json, os, subprocess, sys, time, urllib.request
 import torch

@@ -1,4 +1,4 @@
-# Issue 54 on one H100 or H200 (whichever comes), in one machine start:
+# The real-width loop on one H100 or H200 (whichever comes), in one machine start:
 #   prep (after the wheels): build the real-width checkpoint(s) on the GPU; tests/gpu/test_checkpoint_gpu.py beside it
 #   main (after SGLang's shares):
 #     A  routing replay, 5 GRPO steps, HF export (to /dev/shm: the disk holds 54 GiB);
