@@ -120,8 +120,12 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
     `_set_main_param_and_optimizer_states`, which copies every key the live state has and so
     asks the saved tensors for a "step" they never carry (`KeyError: 'step'` on the first
     resume on an H200). The setter here copies the saved tensors and leaves the counter as
-    `load_state_dict` set it. It copies without autograd: the dp_reshardable format's load calls
-    the setter outside `torch.no_grad()`, and copying into a main parameter (a leaf that requires
+    `load_state_dict` set it. The dp_reshardable format does hand it a "step", but megatron-core
+    saves that one as a non-persistent object: what comes back is the counter the load read from
+    the fresh optimizer (0), and copying it reset every loaded Adam counter to 0 (H100,
+    2026-12-06: the next step's bias correction was that of a first step). It is dropped too.
+    It copies without autograd: the dp_reshardable format's load calls the setter outside
+    `torch.no_grad()`, and copying into a main parameter (a leaf that requires
     grad) raised "a view of a leaf Variable that requires grad is being used in an in-place
     operation" (H100, 2026-12-06). Applied to each DistributedOptimizer instance; megatron's own
     files stay as they are."""
@@ -134,8 +138,12 @@ def fix_torch_adam_state_load(optimizer: Any) -> int:
         @torch.no_grad()  # dp_reshardable's load copies into the main parameters (leaves that require grad)
         def set_states(model_param: Any, tensors: dict[str, Any], _setter: Any = setter, _opt: Any = chained) -> None:
             config = getattr(_opt, "config", None)
-            if "step" in tensors or getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            if getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
                 return _setter(model_param, tensors)
+            # dp_reshardable's tensors carry a "step" that is not the saved count: a non-persistent
+            # object, the live counter the load's template read (0 after init_optimizer_state); the
+            # saved count came in through the param groups
+            tensors = {k: v for k, v in tensors.items() if k != "step"}
             group_index, group_order = _opt.model_param_group_index_map[model_param]
             state = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
             step = state.pop("step", None)
