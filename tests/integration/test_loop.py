@@ -362,120 +362,106 @@ def test_a_format_requirement_shapes_the_training_reward_not_the_evaluation(tmp_
         loop.pool.close()
 
 
-@pytest.mark.parametrize("serve_http", [False, True], ids=["ray", "http"])
-def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, cache_dir, monkeypatch, serve_http):
-    """kill -9 of the engine process while step 1's rollout is in flight: the manager sees
-    it down, the loop starts a new engine and syncs it the trainer's weights, the lost
-    requests are retried there, and every group of the step completes; the restart and
-    the retries are logged. The samples after the restart carry the synced weight version
-    and match the trainer's logprobs: no sample came from stale or initial weights.
+# where a sync's time went, as rank 0's transport timed it (SGLang's protocol only)
+SYNC_PHASES = [f"perf/update_weights_{p}_s" for p in ("gather_convert", "serialize", "engines", "barrier")]
 
-    `http` is the loop over SGLang's protocol (rollout.embedded.serve_http), as with SGLang
-    servers: generation, memory calls and the weight sync through the SGLang client, from
-    two trainer ranks (DP2) over the broadcast group engines on their own devices use."""
+
+def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, cache_dir, monkeypatch):
+    """kill -9 of the engine process while step 1's rollout is in flight (direct Ray calls to
+    the engine's actor): the manager sees it down, the loop starts a new engine and syncs it the
+    trainer's weights, the lost requests are retried there, and every group of the step
+    completes; the restart and the retries are logged. The samples after the restart carry the
+    synced weight version and match the trainer's logprobs: no sample came from stale or initial
+    weights. The same over SGLang's protocol, with a sync that dies too, is the test below."""
     from vlmrl.logging.metrics import read_metrics
-    from vlmrl.loop import Loop, train
+    from vlmrl.loop import train
     from vlmrl.rollout.faults import KILL_ENGINE_ENV
 
-    refused = []
-    if serve_http:  # a caller without the run's engine key, as soon as the engines are up
-        start = Loop._start_engines
-
-        def start_and_probe(self):
-            start(self)
-            import urllib.error
-            import urllib.request
-
-            for url in self.engine_group.sync_targets:
-                for path in ("/release_memory_occupation", "/update_weights_from_tensor", "/generate"):
-                    req = urllib.request.Request(url + path, data=b"{}", headers={"Content-Type": "application/json"})
-                    try:
-                        urllib.request.urlopen(req, timeout=30)
-                    except urllib.error.HTTPError as e:
-                        refused.append(e.code)
-
-        monkeypatch.setattr(Loop, "_start_engines", start_and_probe)
     marker = tmp_path / "engine-killed"
     # 8 eval requests come first; the 12th request is in step 1's rollout of 4 x 4
     monkeypatch.setenv(KILL_ENGINE_ENV, f"12:{marker}")
-    ranks = 2 if serve_http else 1
-    train(_config(tmp_path / "run", cache_dir, [f"rollout.embedded.serve_http={str(serve_http).lower()}",
-                                                f"cluster.num_cpu_ranks={ranks}", "save_hf=false",
-                                                "rollout.max_retries=4"]))
+    train(_config(tmp_path / "run", cache_dir, ["save_hf=false", "rollout.max_retries=4"]))
     assert marker.exists()  # the engine process did die
     rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
     assert [r["rl_step"] for r in rows] == [1, 2]
-    first, second = rows
-    assert first["rollout/engine_restarts"] == 1 and first["rollout/retries"] >= 1
-    assert second["rollout/engine_restarts"] == 0
+    assert rows[0]["rollout/engine_restarts"] == 1 and rows[0]["rollout/retries"] >= 1
+    assert rows[1]["rollout/engine_restarts"] == 0
     for r in rows:
         assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
         assert r["rollout/prompt_mismatch_samples"] == 0
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
-        # where the sync's time went, as rank 0's transport timed it (SGLang's protocol only)
-        phases = [f"perf/update_weights_{p}_s" for p in ("gather_convert", "serialize", "engines", "barrier")]
-        if serve_http:
-            assert r["perf/update_weights_buckets"] >= 1 and all(r[k] >= 0 for k in phases)
-            assert sum(r[k] for k in phases) <= r["perf/update_weights_time"]
-        else:
-            assert not any(k in r for k in [*phases, "perf/update_weights_buckets"])
-    if serve_http:  # the engines refused the keyless caller and the run went on unaffected
-        assert refused == [401, 401, 401]
-        from vlmrl.rollout.auth import KEY_FILE
-
-        key_file = tmp_path / "run" / KEY_FILE
-        assert oct(key_file.stat().st_mode & 0o777) == "0o600"
-        key = key_file.read_text().strip()
-        leaks = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p != key_file
-                 and key.encode() in p.read_bytes()]
-        assert not leaks, leaks  # not in the config, the metrics, the logs or the checkpoints
+        # the sync's phases are timed by the HTTP transport only (the test below)
+        assert not any(k in r for k in [*SYNC_PHASES, "perf/update_weights_buckets"])
 
 
-def test_engine_killed_in_a_weight_sync_is_restarted_and_synced_again(tmp_path, cache_dir, monkeypatch):
-    """kill -9 of the engine process as it takes the step-1 weight sync, over SGLang's protocol
-    from two trainer ranks (DP2, the broadcast group): rank 0's failure reaches both ranks, the
-    loop restarts the engine and sends the whole sync again, and training goes on. The
-    restarted engine generates from the synced weights (its logprobs are the trainer's) and the
-    restart is counted. Before, the sync's error ended the run."""
+def test_engine_killed_in_a_sync_and_mid_rollout_over_sglangs_protocol_under_tensor_parallelism(
+        tmp_path, cache_dir, monkeypatch):
+    """The loop over SGLang's protocol (rollout.embedded.serve_http), as with SGLang servers:
+    generation, memory calls and the weight sync through the SGLang client, from two TP ranks
+    over the broadcast group engines on their own devices use, in 1 MB buckets. Its engine
+    process is killed twice (kill -9):
+
+    - at the warm-up sync's second bucket. Each bucket is gathered over the TP group before
+      rank 0 sends it, so rank 1 must not go on to the next bucket's gather while rank 0 has
+      left the sync: every rank stops at that bucket, rank 0's failure reaches both, the engine
+      is restarted, the whole sync is sent again, and training goes on. (Before, rank 1 waited
+      in the next gather while rank 0 waited in the error's broadcast; before that, the sync's
+      error ended the run.)
+    - by its restarted process mid-way through step 1's rollout: restarted and synced again,
+      the lost requests retried, nothing dropped.
+
+    Both engines after a restart generate from the synced weights (their logprobs are the
+    trainer's); both restarts are counted in step 1. The engines refuse a caller without the
+    run's key, which is kept out of every file of the run but its own."""
+    import urllib.error
+    import urllib.request
+
     from vlmrl.logging.metrics import read_metrics
-    from vlmrl.loop import train
-    from vlmrl.rollout.faults import KILL_ENGINE_ON_SYNC_ENV
+    from vlmrl.loop import Loop, train
+    from vlmrl.rollout.faults import KILL_ENGINE_ENV, KILL_ENGINE_ON_SYNC_ENV
 
-    marker = tmp_path / "engine-killed"
-    # the first weight update is the SFT warm-up's sync, the second step 1's
-    monkeypatch.setenv(KILL_ENGINE_ON_SYNC_ENV, f"2:{marker}")
-    train(_config(tmp_path / "run", cache_dir, ["rollout.embedded.serve_http=true", "cluster.num_cpu_ranks=2",
-                                                "save_hf=false"]))
-    assert marker.exists()  # the engine process did die
-    rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
+    refused = []
+    start = Loop._start_engines
+
+    def start_and_probe(self):  # a caller without the run's engine key, as soon as the engines are up
+        start(self)
+        for url in self.engine_group.sync_targets:
+            for path in ("/release_memory_occupation", "/update_weights_from_tensor", "/generate"):
+                req = urllib.request.Request(url + path, data=b"{}", headers={"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=30)
+                except urllib.error.HTTPError as e:
+                    refused.append(e.code)
+
+    monkeypatch.setattr(Loop, "_start_engines", start_and_probe)
+    in_sync, mid_rollout = tmp_path / "killed-in-sync", tmp_path / "killed-mid-rollout"
+    monkeypatch.setenv(KILL_ENGINE_ON_SYNC_ENV, f"2:{in_sync}")  # the warm-up sync's second bucket
+    # the restarted process: 8 eval requests first; the 12th is in step 1's rollout of 4 x 4
+    monkeypatch.setenv(KILL_ENGINE_ENV, f"12:{mid_rollout}")
+    run = tmp_path / "run"
+    train(_config(run, cache_dir, ["rollout.embedded.serve_http=true", "cluster.num_cpu_ranks=2", "parallel.tp=2",
+                                   "rollout.weight_update_bucket_mb=1", "rollout.max_retries=4", "save_hf=false"]))
+    assert in_sync.exists() and mid_rollout.exists()  # both engine processes did die
+    assert in_sync.read_text() != mid_rollout.read_text()  # (their pids)
+    rows = [r for r in read_metrics(run) if "rl_step" in r]
     assert [r["rl_step"] for r in rows] == [1, 2]
-    assert [r["rollout/engine_restarts"] for r in rows] == [1, 0]
+    assert [r["rollout/engine_restarts"] for r in rows] == [2, 0]
+    assert rows[0]["rollout/retries"] >= 1
     for r in rows:
         assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
+        assert r["rollout/prompt_mismatch_samples"] == 0
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
+        # where the sync's time went, as rank 0's transport timed it
+        assert r["perf/update_weights_buckets"] >= 3 and all(r[k] >= 0 for k in SYNC_PHASES)
+        assert sum(r[k] for k in SYNC_PHASES) <= r["perf/update_weights_time"]
+    assert refused == [401, 401, 401]  # the engine refused the keyless caller and the run went on
+    from vlmrl.rollout.auth import KEY_FILE
 
-
-def test_engine_killed_mid_sync_under_tensor_parallelism_stops_every_rank_at_that_bucket(tmp_path, cache_dir,
-                                                                                           monkeypatch):
-    """The broadcast sync from two TP ranks in small buckets, its engine killed at the warm-up
-    sync's second bucket: each bucket is gathered over the TP group before rank 0 sends it, so
-    rank 1 must not go on to the next bucket's gather while rank 0 has left the sync. Every rank
-    stops at that bucket, the engine is restarted, the sync is sent again, and the run goes on.
-    Before, rank 1 waited in the next gather while rank 0 waited in the error's broadcast."""
-    from vlmrl.logging.metrics import read_metrics
-    from vlmrl.loop import train
-    from vlmrl.rollout.faults import KILL_ENGINE_ON_SYNC_ENV
-
-    marker = tmp_path / "engine-killed"
-    monkeypatch.setenv(KILL_ENGINE_ON_SYNC_ENV, f"2:{marker}")
-    train(_config(tmp_path / "run", cache_dir, ["rollout.embedded.serve_http=true", "cluster.num_cpu_ranks=2",
-                                                "parallel.tp=2", "rollout.weight_update_bucket_mb=1",
-                                                "save_hf=false", "num_steps=1"]))
-    assert marker.exists()
-    rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
-    assert [r["rl_step"] for r in rows] == [1]
-    assert rows[0]["rollout/engine_restarts"] == 1 and rows[0]["perf/update_weights_buckets"] >= 3
-    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    key_file = run / KEY_FILE
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    key = key_file.read_text().strip()
+    leaks = [p for p in run.rglob("*") if p.is_file() and p != key_file and key.encode() in p.read_bytes()]
+    assert not leaks, leaks  # not in the config, the metrics, the logs or the checkpoints
 
 
 def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_dir, tiny_checkpoint):
