@@ -24,6 +24,7 @@ from .config.memory import (
     largest_micro_batch_tokens,
     offload_host_bytes,
     phase_memory,
+    process_host_bytes_per_node,
     sequence_length,
     step_tokens_per_rank,
     trainer_offload,
@@ -186,14 +187,18 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
                else "plain optimizer")
         console.print(f"  checkpoint save ({fmt}): about {_gib(ckpt)} of host memory per trainer GPU"
                       + (" beside its pinned copy" if host else ""))
+        procs = "; ".join(f"{name} {_gib(b)}" for name, b in process_host_bytes_per_node(cfg))
         if host:
             console.print(f"  host memory per node ({per_node} trainer GPU(s)), every phase: at most "
-                          f"[bold]{_gib(node['save'])}[/] (a checkpoint's save or load beside the pinned copies); "
-                          f"{_gib(node['save_copies_freed'])} where the host lacks that and the save or load "
-                          "frees the copies first (the next offload pins them again)")
+                          f"[bold]{_gib(node['save'])}[/] (a checkpoint's save or load beside the pinned copies, "
+                          f"where the node has that); the run needs [bold]{_gib(node['save_copies_freed'])}[/]: "
+                          "where the node lacks room, the save or load frees the copies first (the next offload "
+                          f"pins them again). Both include the processes' own {_gib(node['processes'])} ({procs}; "
+                          "measured on one GPU, counted per GPU)")
         else:
             console.print(f"  host memory per node ({per_node} trainer GPU(s)), every phase: at most "
-                          f"[bold]{_gib(node['save'])}[/] (a checkpoint's save or load)")
+                          f"[bold]{_gib(node['save'])}[/] (a checkpoint's save or load; the processes' own "
+                          f"{_gib(node['processes'])} included: {procs})")
     for ph in phases:
         if total_dev and ph.total > total_dev:
             hint = (" (trainer.offload=true moves the trainer's state off the GPUs while the engines generate)"

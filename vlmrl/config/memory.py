@@ -38,6 +38,15 @@ PROCESS_BYTES = 1.5 * GIB
 # token, created at start and again by the cache flush of each release).
 SGLANG_OUTSIDE_POOL_BYTES = 3.0 * GIB
 SGLANG_BYTES_PER_KV_TOKEN = 64
+# Host memory of the run's processes themselves, resident beyond the trainer's pinned offload
+# copies, as the node's used memory showed it on one H100 at real width with SGLang colocated
+# (bench/results/real-width.md, sections 2 and 4): the driver with Ray's daemons, once a node;
+# an engine's server, per engine GPU; a trainer rank. The weights live on the GPUs, so these
+# hardly grow with the model. On a node of several GPUs they are counted per GPU, which no run
+# has measured yet.
+HOST_DRIVER_BYTES = 2.3 * GIB
+HOST_ENGINE_PER_GPU_BYTES = 4.8 * GIB
+HOST_TRAINER_RANK_BYTES = 5.8 * GIB
 # SGLang's split of a hybrid model's pool between recurrent (Gated DeltaNet) states and the
 # attention layers' KV cache: `--mamba-full-memory-ratio`, its default.
 SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
@@ -723,19 +732,43 @@ def checkpoint_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -
     return weights * max(2 * state + 2 * F32, 2 * state + staged)
 
 
+def engine_gpus_per_node(cfg: VlmrlConfig) -> int:
+    """The most engine GPUs on one node (0 on CPU ranks)."""
+    layout = compute_layout(cfg)
+    per_node: dict[int, int] = {}
+    for slot in layout.engines(cfg):
+        per_node[slot.node] = per_node.get(slot.node, 0) + len(slot.devices)
+    return max(per_node.values(), default=0)
+
+
+def process_host_bytes_per_node(cfg: VlmrlConfig) -> list[tuple[str, float]]:
+    """The processes' own host memory on the busiest node, by part (`HOST_DRIVER_BYTES` and
+    the figures beside it). Empty on CPU ranks, whose state is in host memory anyway."""
+    if cfg.hardware.device != "cuda":
+        return []
+    ranks, engines = trainer_ranks_per_node(cfg), engine_gpus_per_node(cfg)
+    return [("driver and Ray", HOST_DRIVER_BYTES),
+            (f"engine servers ({engines} GPU(s))", engines * HOST_ENGINE_PER_GPU_BYTES),
+            (f"trainer ranks ({ranks})", ranks * HOST_TRAINER_RANK_BYTES)]
+
+
 def host_bytes_per_node(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> dict[str, float]:
-    """The trainer's host memory on one node at the peak of each of its phases (GPU ranks
-    only; bytes, every trainer rank of the node together): `offload`, the pinned copies that
-    hold the offloaded state between steps; `save`, a checkpoint's save beside those copies
-    (a resume's load stages about as much); `save_copies_freed`, the same where the node lacks
-    room for both and the save or load frees the copies first (`vlmrl.training.checkpoint.save_checkpoint`; the next offload pins them
-    again). Empty on CPU ranks."""
+    """The host memory one node uses at the peak of each phase of the run (GPU ranks only;
+    bytes, every process of the node together): `offload`, the pinned copies that hold the
+    trainer's offloaded state between steps; `save`, a checkpoint's save beside those copies
+    (a resume's load is planned alike; it measured far less, bench/results/real-width.md), where
+    the node has room for both; `save_copies_freed`, the same where it lacks that room and the
+    save or load frees the copies first (`vlmrl.training.checkpoint.save_checkpoint`; the next
+    offload pins them again): what the run needs at least. Each includes `processes`, the
+    processes' own memory (`process_host_bytes_per_node`). Empty on CPU ranks."""
     if cfg.hardware.device != "cuda":
         return {}
     mem = mem or estimate_memory(cfg)
     ranks = trainer_ranks_per_node(cfg)
+    procs = sum(b for _, b in process_host_bytes_per_node(cfg))
     copy, save = offload_host_bytes(cfg, mem), checkpoint_host_bytes(cfg, mem)
-    return {"offload": ranks * copy, "save": ranks * (copy + save), "save_copies_freed": ranks * max(copy, save)}
+    return {"offload": procs + ranks * copy, "save": procs + ranks * (copy + save),
+            "save_copies_freed": procs + ranks * max(copy, save), "processes": procs}
 
 
 def checkpoint_device_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
