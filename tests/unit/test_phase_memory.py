@@ -575,7 +575,7 @@ def test_the_sync_counts_buckets_as_they_are_cut_and_the_expert_gather():
     """A bucket closes once it reaches rollout.weight_update_bucket_mb, so it can hold one tensor
     more: for the recipe a layer's fused experts, [256, 1024, 2048] in bf16 (1 GiB), which
     under EP8 are gathered, their parts and the join held together. Two buckets of 1.5 GiB and
-    the 2 GiB gather: 5 GiB in the sync phase, where the plan had 1 (issue 58)."""
+    the 2 GiB gather: 5 GiB in the sync phase, where the plan had counted 1."""
     from vlmrl.config.memory import largest_sync_tensor_bytes, sync_transient_bytes
 
     cfg = _cfg(*REFERENCE)
