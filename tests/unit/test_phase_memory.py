@@ -15,6 +15,7 @@ from vlmrl.config import ConfigError, load
 from vlmrl.config.memory import (
     ENGINE_RUNTIME_BYTES,
     GIB,
+    NCCL_COMMUNICATOR_BYTES,
     PROCESS_BYTES,
     SGLANG_BYTES_PER_KV_TOKEN,
     SGLANG_OUTSIDE_POOL_BYTES,
@@ -23,6 +24,7 @@ from vlmrl.config.memory import (
     compare_phase_memory,
     count_params,
     engine_gpus_per_node,
+    engine_nccl_groups,
     engine_weight_bytes,
     estimate_memory,
     host_bytes_per_node,
@@ -37,6 +39,7 @@ from vlmrl.config.memory import (
     phase_memory_metrics,
     sglang_kv_tokens,
     step_tokens_per_rank,
+    trainer_nccl_groups,
     trainer_offload,
     trainer_ranks_per_node,
 )
@@ -137,8 +140,9 @@ def test_separate_gpus_and_cpu():
     assert [(p.phase, p.where) for p in sep] == [("rollout", "engine"), ("logprob", "trainer"), ("train", "trainer")]
     engine = 1.5 * GIB + SGLANG_OUTSIDE_POOL_BYTES + SGLANG_BYTES_PER_KV_TOKEN * sglang_kv_tokens(
         _cfg("hardware=h100", "rollout=sglang", "rollout.sglang.mem_fraction_static=0.5"))
-    assert sep[0].total == pytest.approx(40 * GIB + engine)
-    assert sep[2].total == pytest.approx((6 + 4 + 1.5) * GIB)
+    # the weights go over NCCL from trainer rank 0 to the engine's GPU: one communicator on each side
+    assert sep[0].total == pytest.approx(40 * GIB + engine + NCCL_COMMUNICATOR_BYTES)
+    assert sep[2].total == pytest.approx((6 + 4 + 1.5) * GIB + NCCL_COMMUNICATOR_BYTES)
     assert phase_memory(_cfg()) == [] and phase_estimates(_cfg()) == {}
 
 
@@ -589,3 +593,26 @@ def test_the_sync_counts_buckets_as_they_are_cut_and_the_expert_gather():
     one = _cfg(*SHARED, "model=tiny_qwen3_5_moe", "rollout.sglang.weight_loader=sglang")
     assert len(sync_transient_bytes(one)) == 1  # the buckets alone
     assert largest_sync_tensor_bytes(one)[1] == 2 * one.model.lm.moe_ffn_hidden_size * one.model.lm.hidden_size * 2
+
+
+def test_every_communicator_of_several_gpus_is_counted_where_its_rank_runs():
+    """NCCL's buffers lie outside torch's allocator and stay for the run: the recipe's trainer
+    rank (TP2, EP8, four data-parallel ranks on 8 GPUs, distributed optimizer) keeps four
+    communicators (world, tensor, data, expert; the experts' data-parallel group is one rank)
+    in every phase, offloaded or not, and each engine GPU its tensor-parallel group's. One GPU
+    has none; without the distributed optimizer the gradient norm runs over the model-parallel
+    group, one communicator more."""
+    cfg = _cfg(*REFERENCE)
+    assert trainer_nccl_groups(cfg) == [("world", 8), ("tensor", 2), ("data", 4), ("expert", 8)]
+    assert engine_nccl_groups(cfg) == [("tensor", 8)]
+    for phase in phase_memory(cfg):
+        parts = dict(phase.parts)
+        trainer = [b for n, b in parts.items() if n.startswith("trainer NCCL communicators (4 x")]
+        engine = [b for n, b in parts.items() if "engine NCCL communicators (1 x" in n]
+        assert trainer == [4 * NCCL_COMMUNICATOR_BYTES] and engine == [NCCL_COMMUNICATOR_BYTES], phase
+    plain = _cfg(*REFERENCE, "trainer.use_distributed_optimizer=false")
+    assert ("model", 2) in trainer_nccl_groups(plain) and len(trainer_nccl_groups(plain)) == 5
+    one = _cfg(*SHARED)
+    assert trainer_nccl_groups(one) == [] and engine_nccl_groups(one) == []
+    assert not any("NCCL" in n for p in phase_memory(one, MEM) for n, _ in p.parts)
+    assert trainer_nccl_groups(_cfg("cluster.num_cpu_ranks=2")) == []  # gloo on CPU ranks

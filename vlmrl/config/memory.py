@@ -27,9 +27,18 @@ from .schema import LanguageModelConfig, VisionConfig, VlmrlConfig
 GIB = 1024**3
 
 # Device memory of one process that computes on a GPU whatever it holds: the CUDA context,
-# cuBLAS workspaces, NCCL communicators' buffers. A released engine and an offloaded trainer
-# keep this much each.
+# cuBLAS workspaces (measured on one GPU, where every NCCL group is of one rank; the buffers of
+# groups of several GPUs are NCCL_COMMUNICATOR_BYTES each). A released engine and an offloaded
+# trainer keep this much each.
 PROCESS_BYTES = 1.5 * GIB
+# One NCCL communicator's device buffers where its group spans two or more GPUs of a node, at
+# NCCL's default buffer size and channel count: 544-688 MB a communicator, measured through
+# PyTorch on four NVLink A100s (NVIDIA/nccl issue 964); more channels on Hopper can only add to
+# it. NCCL allocates them outside torch's allocator at a group's first collective and keeps
+# them until the group is destroyed: an offloaded trainer and a released engine keep theirs.
+# No vlmrl run has had several GPUs yet, so no run has measured it (a one-GPU run's groups are
+# of one rank and hold no buffers).
+NCCL_COMMUNICATOR_BYTES = 0.65 * GIB
 # What an SGLang engine holds outside the regions its memory saver releases, whether it is
 # generating or released (measured on the H200 with SGLang 0.5.17, bench/results/sglang.md,
 # 2026-12-04 third session): a fixed part (its tokenizer process's CUDA context and the 1 GiB it
@@ -544,10 +553,53 @@ def sglang_kv_tokens(cfg: VlmrlConfig) -> float:
     return free / per_token
 
 
+def trainer_nccl_groups(cfg: VlmrlConfig) -> list[tuple[str, int]]:
+    """The process groups of more than one GPU that a trainer rank's step runs collectives
+    over, as (name, size), one NCCL communicator each, distinct groups over the same ranks
+    included (megatron-core makes a communicator per group): world (barriers, the step's
+    metrics and, under the distributed optimizer, the gradient norm), tensor, context and
+    pipeline parallel, data parallel (gradients and the optimizer's shards), model parallel
+    (the gradient norm without the distributed optimizer), expert parallel (the tokens'
+    all-to-all), expert tensor and expert data parallel, and the weight-sync broadcast from
+    rank 0 to engines on GPUs of their own. Empty on CPU ranks (gloo) and on one GPU."""
+    if cfg.hardware.device != "cuda":
+        return []
+    p, layout = cfg.parallel, compute_layout(cfg)
+    groups = [("world", layout.trainer_world_size), ("tensor", p.tp), ("context", p.cp), ("pipeline", p.pp),
+              ("data", layout.dp * p.cp)]
+    if not cfg.trainer.use_distributed_optimizer:
+        groups.append(("model", p.tp * p.pp * p.cp))
+    if is_moe_model(cfg):
+        groups += [("expert", p.ep), ("expert tensor", p.etp), ("expert data", layout.expert_dp)]
+    if not cfg.cluster.colocate:
+        groups.append(("weight sync", 1 + layout.rollout_devices))
+    return [(name, size) for name, size in groups if size > 1]
+
+
+def engine_nccl_groups(cfg: VlmrlConfig) -> list[tuple[str, int]]:
+    """An SGLang engine GPU's process groups of more than one GPU: its tensor-parallel group, and
+    the weight-sync broadcast where the engines have GPUs of their own."""
+    if cfg.hardware.device != "cuda" or cfg.rollout.name != "sglang":
+        return []
+    groups = [("tensor", cfg.rollout.gpus_per_engine)]
+    if not cfg.cluster.colocate:
+        groups.append(("weight sync", 1 + compute_layout(cfg).rollout_devices))
+    return [(name, size) for name, size in groups if size > 1]
+
+
+def _nccl_part(holder: str, groups: list[tuple[str, int]]) -> list[tuple[str, float]]:
+    """`holder`'s communicators as one part, named by group and size ("world 8, tensor 2")."""
+    if not groups:
+        return []
+    names = ", ".join(f"{name} {size}" for name, size in groups)
+    return [(f"{holder} NCCL communicators ({len(groups)} x {NCCL_COMMUNICATOR_BYTES / GIB:.2f} GiB: {names})",
+             len(groups) * NCCL_COMMUNICATOR_BYTES)]
+
+
 def _engine_outside_pool(cfg: VlmrlConfig) -> list[tuple[str, float]]:
     """What an SGLang engine keeps beside its static pool, generating or released."""
     tokens = sglang_kv_tokens(cfg)
-    return [("engine process", PROCESS_BYTES),
+    return [("engine process", PROCESS_BYTES), *_nccl_part("engine", engine_nccl_groups(cfg)),
             ("engine memory beside its pool (multimodal buffer, workspaces, cached activations)",
              SGLANG_OUTSIDE_POOL_BYTES),
             (f"engine KV index arrays ({SGLANG_BYTES_PER_KV_TOKEN} B x {tokens / 1e6:.1f}M tokens)",
@@ -615,7 +667,7 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
              ("trainer optimizer state", mem.optimizer)]
     if cfg.algo.uses_reference:
         state.append(("reference model weights", mem.params))
-    trainer_process = [("trainer process", PROCESS_BYTES)]
+    trainer_process = [("trainer process", PROCESS_BYTES), *_nccl_part("trainer", trainer_nccl_groups(cfg))]
     # with CUDA graphs the training activations live in the graph trees' pools, which stay
     trainer_graphs = [("trainer CUDA graph pools", mem.activations)] if graphs else []
     train_acts = [] if graphs else [("trainer activations (training micro-batch)", mem.activations)]
