@@ -196,7 +196,8 @@ def test_fused_kernels_reach_the_gated_delta_layers():
 
 def test_compile_caches_live_under_the_run_cache_and_the_users_settings_win():
     """`hardware.compile_cache_dir` puts Inductor's, Triton's, TileLang's and FlashAttention 4's
-    kernels under one folder and turns FA4's disk cache on (off by default: every process
+    kernels, and the SGLang servers' (tvm-ffi, flashinfer and DeepGEMM JIT kernels, SGLang's
+    own cache), under one folder and turns FA4's disk cache on (off by default: every process
     compiled its kernels again); a variable the user set is left alone; "" sets nothing."""
     from vlmrl.config import load
     from vlmrl.models.kernels import COMPILE_CACHE_VARS, compile_cache_env
@@ -207,6 +208,7 @@ def test_compile_caches_live_under_the_run_cache_and_the_users_settings_win():
     assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert {env[k] for k in COMPILE_CACHE_VARS} == {f"{root}/{sub}" for sub in COMPILE_CACHE_VARS.values()}
     assert len(set(COMPILE_CACHE_VARS.values())) == len(COMPILE_CACHE_VARS)  # one folder each
+    assert {"TVM_FFI_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "SGLANG_DG_CACHE_DIR", "SGLANG_CACHE_DIR"} <= set(env)
     mine = compile_cache_env(root, environ={"TRITON_CACHE_DIR": "/scratch/triton"})
     assert "TRITON_CACHE_DIR" not in mine and mine["TORCHINDUCTOR_CACHE_DIR"] == f"{root}/inductor"
     assert compile_cache_env("", environ={}) == {}
@@ -241,8 +243,8 @@ def test_the_training_bench_says_how_warm_its_compile_cache_was(tmp_path, monkey
     (tmp_path / "inductor" / "fx").mkdir(parents=True)
     (tmp_path / "inductor" / "fx" / "graph").write_text("x")
     got = compile_cache(str(tmp_path))
-    assert got["files_at_start"] == {"TORCHINDUCTOR_CACHE_DIR": 1, "TRITON_CACHE_DIR": 0, "TILELANG_CACHE_DIR": 0,
-                                     "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": 0}
+    assert got["files_at_start"] == {"TORCHINDUCTOR_CACHE_DIR": 1, **{var: 0 for var in COMPILE_CACHE_VARS
+                                                                        if var != "TORCHINDUCTOR_CACHE_DIR"}}
     import os
 
     assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path / "tilelang")

@@ -33,12 +33,19 @@ from typing import Any
 
 import torch
 
-# the compilers' cache variables, each under its own folder of `hardware.compile_cache_dir`
+# the compilers' cache variables, each under its own folder of `hardware.compile_cache_dir`: the
+# trainer's (Inductor, Triton, TileLang, FlashAttention 4) and the SGLang servers' (read from
+# SGLang 0.5.17 and flashinfer 0.6.15: its JIT kernels through tvm-ffi, flashinfer's JIT kernels,
+# DeepGEMM's, and SGLang's own cache of autotune results); every process a run starts gets them
 COMPILE_CACHE_VARS = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TRITON_CACHE_DIR": "triton",
     "TILELANG_CACHE_DIR": "tilelang",
     "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash_attn_cute",
+    "TVM_FFI_CACHE_DIR": "tvm_ffi",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "SGLANG_DG_CACHE_DIR": "deep_gemm",
+    "SGLANG_CACHE_DIR": "sglang",
 }
 
 
