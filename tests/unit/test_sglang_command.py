@@ -364,3 +364,31 @@ def test_a_field_whose_flag_is_deprecated_is_refused_with_its_live_neighbours():
             load_flags(version).check("disable_cuda_graph")
         assert "disable_decode_cuda_graph" in str(e.value)
         assert "disable_cuda_graph," not in str(e.value).split("did you mean", 1)[1]
+
+
+def test_decode_graphs_are_captured_for_the_batches_a_step_sends():
+    """With `rollout.sglang.cuda_graph_max_bs` null, an engine captures decode CUDA graphs up to
+    the requests it holds at once in a step (prompts x samples, over-sampling included, at most
+    `rollout.max_in_flight` across the engines, shared by them), rounded up to a multiple of 8;
+    the user's bound or list wins."""
+    from vlmrl.config import compute_layout
+    from vlmrl.config.layout import engine_batch_requests
+
+    def graph_max_bs(*extra: str) -> int | None:
+        cfg = _cfg("h200", "rollout.max_in_flight=1024", *extra)
+        slot = compute_layout(cfg).engines(cfg)[0]
+        args = server_args(cfg.rollout, cfg.hardware, cfg.model, port=engine_port(cfg.rollout.sglang.base_port, slot.index),
+                           batch_requests=engine_batch_requests(cfg))
+        return args.get(FLAGS.resolve("cuda_graph_max_bs", "cuda_graph_max_bs_decode"))
+
+    base = ("rollout.batch_size=5", "algo.n_samples_per_prompt=16", "trainer.global_batch_size=80")
+    engines = compute_layout(_cfg("h200")).num_engines
+    assert engines == 2  # two engines share a step's 80 requests
+    assert graph_max_bs(*base) == 40
+    assert graph_max_bs(*base, "algo.filter_groups=equal_reward", "rollout.oversample=1.5") == 64  # ceil(7.5) = 8 prompts x 16 over two
+    assert graph_max_bs(*base, "rollout.max_in_flight=20") == 16  # 10 an engine, to 16
+    assert graph_max_bs(*base, "rollout.sglang.cuda_graph_max_bs=4") == 4
+    assert graph_max_bs(*base, "rollout.sglang.cuda_graph_bs=[1,2]") is None  # the list bounds itself
+    cfg = _cfg("h200", *base)
+    assert FLAGS.resolve("cuda_graph_max_bs", "cuda_graph_max_bs_decode") not in server_args(
+        cfg.rollout, cfg.hardware, cfg.model, port=1)  # no step size given: SGLang's own bound

@@ -20,7 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config.layout import embedded_engine_device, engine_bind_host, returns_routed_experts
+from ..config.layout import (
+    embedded_engine_device,
+    engine_batch_requests,
+    engine_bind_host,
+    returns_routed_experts,
+)
 from ..config.schema import VlmrlConfig
 from ..rollout.manager import close_sessions, engine_answers
 from ..rollout.protocol import MEMORY_TAGS
@@ -62,7 +67,8 @@ class EngineGroup:
                 cfg.rollout, cfg.hardware, cfg.model, layout.engines(cfg), run_dir=self.run_dir,
                 placement=self.placement, model_path=self.model_path, colocate=cfg.cluster.colocate,
                 cpus_per_actor=cfg.cluster.cpus_per_actor, seed=cfg.seed, data=cfg.data,
-                host=engine_bind_host(cfg), api_key=self.key, return_routed_experts=returns_routed_experts(cfg)))
+                host=engine_bind_host(cfg), api_key=self.key, return_routed_experts=returns_routed_experts(cfg),
+                batch_requests=engine_batch_requests(cfg)))
             print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
                   f"{', '.join(e.base_url for e in self.sglang.engines)}")
             self.generation = list(self.sglang.generation)  # the router when there is one

@@ -6,6 +6,7 @@ the Ray placement all read the same numbers from here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .schema import ParallelConfig, VlmrlConfig
@@ -140,6 +141,20 @@ def engine_bind_host(cfg: VlmrlConfig) -> str:
     if cfg.cluster.name == "local" and cfg.cluster.num_nodes <= 1:
         return LOOPBACK
     return "auto"
+
+
+def engine_batch_requests(cfg: VlmrlConfig) -> int:
+    """The most generation requests one engine holds at once in a training step: a round's
+    prompts (`rollout.batch_size`, times `rollout.oversample` under dynamic sampling) times
+    `algo.n_samples_per_prompt`, at most `rollout.max_in_flight` across the engines, shared
+    by them. SGLang captures its decode CUDA graphs for batches up to this (rounded up to a
+    multiple of 8) when `rollout.sglang.cuda_graph_max_bs` is null; a larger batch, such as a
+    whole test split's evaluation, runs without them."""
+    r = cfg.rollout
+    per_step = math.ceil(r.batch_size * max(r.oversample, 1.0)) * cfg.algo.n_samples_per_prompt
+    in_flight = min(per_step, max(r.max_in_flight, 1))
+    engines = max(compute_layout(cfg).num_engines, 1)
+    return max(-(-in_flight // engines), 1)
 
 
 def rank_coords(cfg: VlmrlConfig, layout: Layout) -> list[RankCoord]:

@@ -80,10 +80,15 @@ def server_args(
     data: Any = None,
     api_key: str | None = None,
     return_routed_experts: bool | None = None,
+    batch_requests: int | None = None,
 ) -> dict[str, Any]:
     """ServerArgs field -> value for one engine, from the rollout / hardware / model (and
     data: the image pixel bounds) sections; `rollout.sglang.server_args` is merged last
-    (verbatim, it wins; validation keeps the key's fields out of it). `api_key`, the run's
+    (verbatim, it wins; validation keeps the key's fields out of it). `batch_requests`, the
+    most requests the engine holds at once in a step (`config.layout.engine_batch_requests`),
+    bounds the decode CUDA graphs SGLang captures at its start, rounded up to a multiple of 8,
+    where `rollout.sglang.cuda_graph_max_bs` is null: SGLang's own bound is sized for serving
+    (hundreds of requests), and capturing up to it took 51 s of a 119 s start on an H200. `api_key`, the run's
     engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`).
     `return_routed_experts` (None: `rollout.return_routed_experts`; the run passes
     `config.layout.returns_routed_experts`) starts the server able to report each token's
@@ -104,6 +109,8 @@ def server_args(
         args["mm_attention_backend"] = hardware.sglang_mm_attention_backend
     if sg.cuda_graph_max_bs is not None:
         args[flags.resolve("cuda_graph_max_bs", "cuda_graph_max_bs_decode")] = int(sg.cuda_graph_max_bs)
+    elif batch_requests and not sg.cuda_graph_bs:
+        args[flags.resolve("cuda_graph_max_bs", "cuda_graph_max_bs_decode")] = -(-int(batch_requests) // 8) * 8
     if sg.cuda_graph_bs:
         args[flags.resolve("cuda_graph_bs", "cuda_graph_bs_decode")] = [int(b) for b in sg.cuda_graph_bs]
     spec = sg.speculative
@@ -391,6 +398,7 @@ async def launch_sglang_engines(
     host: str = "127.0.0.1",
     api_key: str | None = None,
     return_routed_experts: bool | None = None,
+    batch_requests: int | None = None,
 ) -> SGLangEngines:
     """Start one `SGLangServerActor` per engine slot (Ray must be initialised) in the slot's
     bundle of `placement`, check that its interpreter runs an SGLang release vlmrl knows, start
@@ -429,7 +437,8 @@ async def launch_sglang_engines(
         for slot, actor in zip(slots, actors):
             args = server_args(rollout, hardware, model, port=engine_port(sg.base_port, slot.index), host=host,
                                model_path=model_path, colocate=colocate, seed=seed, flags=flags, data=data,
-                               api_key=api_key, return_routed_experts=return_routed_experts)
+                               api_key=api_key, return_routed_experts=return_routed_experts,
+                               batch_requests=batch_requests)
             starts.append(actor.start.remote(args, version))
         urls = await _within(asyncio.gather(*starts), timeout, "the SGLang servers did not start")
         # wait_healthy bounds itself and quotes the server's log when it fails
@@ -497,13 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}: {len(flags.fields)} fields of sglang {flags.version}")
         return 0
     from ..config import compute_layout, load
-    from ..config.layout import returns_routed_experts
+    from ..config.layout import engine_batch_requests, returns_routed_experts
 
     cfg = load(args.overrides)
     for slot in compute_layout(cfg).engines(cfg):
         a = server_args(cfg.rollout, cfg.hardware, cfg.model, port=engine_port(cfg.rollout.sglang.base_port, slot.index),
                         data=cfg.data, colocate=cfg.cluster.colocate,
-                        return_routed_experts=returns_routed_experts(cfg))
+                        return_routed_experts=returns_routed_experts(cfg), batch_requests=engine_batch_requests(cfg))
         print(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices(slot.devices)}", " ".join(server_command(a, python="python")))
     return 0
 
