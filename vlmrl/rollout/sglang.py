@@ -88,8 +88,8 @@ def server_args(
     most requests the engine holds at once in a step (`config.layout.engine_batch_requests`),
     bounds the decode CUDA graphs SGLang captures at its start, rounded up to a multiple of 8,
     where `rollout.sglang.cuda_graph_max_bs` is null: SGLang's own bound is sized for serving
-    (hundreds of requests), and capturing up to it took 51 s of a 119 s start on an H200. `api_key`, the run's
-    engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`).
+    (hundreds of requests), and each batch size captured costs start time and graph memory
+    that a step never uses. `api_key`, the run's engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`).
     `return_routed_experts` (None: `rollout.return_routed_experts`; the run passes
     `config.layout.returns_routed_experts`) starts the server able to report each token's
     experts."""
