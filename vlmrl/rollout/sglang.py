@@ -89,8 +89,8 @@ def server_args(
     bounds the decode CUDA graphs SGLang captures at its start, rounded up to a multiple of 8,
     where `rollout.sglang.cuda_graph_max_bs` is null: SGLang's own bound is sized for serving
     (hundreds of requests), and each batch size captured costs start time and graph memory
-    that a step never uses. `api_key`, the run's engine key, becomes both `api_key` and `admin_api_key` (`vlmrl.rollout.auth`).
-    `return_routed_experts` (None: `rollout.return_routed_experts`; the run passes
+    that a step never uses. `api_key`, the run's engine key, becomes both `api_key` and
+    `admin_api_key` (`vlmrl.rollout.auth`). `return_routed_experts` (None: `rollout.return_routed_experts`; the run passes
     `config.layout.returns_routed_experts`) starts the server able to report each token's
     experts."""
     flags = flags or load_flags()
