@@ -23,6 +23,7 @@ from .config.memory import (
     host_bytes_per_node,
     largest_micro_batch_tokens,
     offload_host_bytes,
+    offload_split,
     phase_memory,
     process_host_bytes_per_node,
     sequence_length,
@@ -175,10 +176,21 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
         t.add_row(ph.phase, _WHERE.get(ph.where, ph.where), _gib(ph.total), share, parts)
     console.print(t)
     host = offload_host_bytes(cfg, mem)
-    if host:
-        console.print(f"  offloaded: {_gib(host)} of weights and optimizer state per trainer GPU in pinned host "
-                      f"memory ({_gib(host * len(compute_layout(cfg).trainer_devices))} for all "
-                      "trainer GPUs); gradients are dropped, not copied")
+    if cfg.cluster.colocate and trainer_offload(cfg):
+        split = offload_split(cfg, mem)
+        t = cfg.trainer
+        why = (f"trainer.resident_gib={t.resident_gib:g}" if t.resident_gib is not None else
+               f"what fits in trainer.resident_budget {t.resident_budget:g} of the GPU beside the rollout: "
+               f"{_gib(split.budget)}")
+        kept = ", ".join(f"{name} {_gib(b)}" for name, b in split.resident) or "nothing"
+        moved = ", ".join(f"{name} {_gib(b)}" for name, b in split.moved) or "nothing"
+        console.print(f"  while the engines generate, each trainer GPU keeps {kept} ({why}); moves {moved} to "
+                      f"pinned host memory ({_gib(host * len(compute_layout(cfg).trainer_devices))} for all trainer "
+                      f"GPUs) and back; drops its gradients ({_gib(split.dropped)}) without a copy")
+        if split.part("optimizer state", "moved") and t.offload_overlap:
+            weights = " (the weights that move: within the offload and the onload)" if split.part("weights", "moved") else ""
+            console.print("  the optimizer state that moves comes back while the forward and backward run and leaves "
+                          f"while the weight sync runs (trainer.offload_overlap){weights}")
     ckpt = checkpoint_host_bytes(cfg, mem)
     if ckpt:
         per_node = trainer_ranks_per_node(cfg)

@@ -20,7 +20,7 @@ def _apply(now: Residency, steps) -> Residency:
         elif kind == "offload":
             assert now.trainer
             now = Residency(now.engine, False)
-        elif kind == "trim":
+        elif kind in ("trim", "stage"):
             assert now.trainer
         else:
             assert not now.trainer
@@ -57,6 +57,11 @@ def test_the_step_s_moves():
     # without offload the trainer stays; the engine's moves are the same
     gen, sync = phase("generate", offload=False), phase("sync", offload=False)
     assert plan(sync, gen) == [("trim", ()), ("resume", ("cuda_graph", "kv_cache"))]
+    # a trainer that leaves after the sync starts copying its state out before anything else
+    assert plan(train, phase("sync", offload=True), leaves_next=True) == [
+        ("stage", ()), ("trim", ()), ("resume", ("weights",))]
+    # nothing to stage where the trainer is not on the GPU yet (it comes back in this move)
+    assert plan(phase("generate", offload=True), phase("sync", offload=True), leaves_next=True)[0][0] == "release"
 
 
 def test_colocation_calls_in_order_and_starts_without_a_trainer():
@@ -75,6 +80,10 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
             calls.append(("trim",))
             return {"device_freed_bytes": 5}
 
+        def stage(self):
+            calls.append(("stage",))
+            return {"bytes": 7}
+
     colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),
                       offload=True)
     assert colo.now == Residency(ALL_TAGS, trainer=False)
@@ -92,11 +101,13 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
     assert calls == [("release", ("kv_cache", "cuda_graph")), ("onload",)]
     calls.clear()
     colo.to("train")
-    colo.to("sync")  # the trainer stays: it trims before the engines' weights come back
-    assert calls == [("release", ("weights",)), ("trim",), ("resume", ("weights",))]
+    # the trainer stays: its copy out starts (it leaves after the sync), it trims before the
+    # engines' weights come back
+    colo.to("sync")
+    assert calls == [("release", ("weights",)), ("stage",), ("trim",), ("resume", ("weights",))]
     assert colo.now == phase("sync", offload=True)
-    assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0, "trim": 0.0}
-    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload", "trim"}
+    assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0, "trim": 0.0, "stage": 7.0}
+    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload", "trim", "stage"}
     assert colo.take_seconds() == {}
     with pytest.raises(ValueError, match="unknown phase"):
         colo.to("evaluate")
@@ -116,6 +127,9 @@ def test_generating_from_released_weights_is_refused_until_a_sync():
             return {}
 
         def trim(self):
+            return {}
+
+        def stage(self):
             return {}
 
     colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),

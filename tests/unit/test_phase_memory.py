@@ -33,6 +33,7 @@ from vlmrl.config.memory import (
     measured_phase_split,
     offload_config_problems,
     offload_host_bytes,
+    offload_split,
     phase_estimate_split,
     phase_estimates,
     phase_memory,
@@ -50,7 +51,8 @@ REFERENCE = ["experiment=geo3k_qwen35"]
 # one H100 shared by the tiny model's trainer and one SGLang engine
 SHARED = ["hardware=h100", "rollout=sglang", "cluster.num_gpus=1", "cluster.colocate=true", "rollout.num_gpus=1",
           "rollout.sglang.mem_fraction_static=0.5", "rollout.weight_update_bucket_mb=100", "hardware.cuda_graphs=false",
-          "model.dtype=bfloat16", "algo.kl_coef=0"]  # no reference model unless a test adds one
+          "model.dtype=bfloat16", "algo.kl_coef=0",  # no reference model unless a test adds one
+          "trainer.resident_gib=0"]  # the offloaded trainer keeps nothing (the split has tests of its own)
 # round figures: 1 GiB of weights, 2 of gradients, 3 of optimizer state, 4 of activations
 MEM = MemoryEstimate(params=1 * GIB, grads=2 * GIB, optimizer=3 * GIB, activations=4 * GIB,
                      tokens_per_micro_batch=1024, rollout_pool=40 * GIB, forward_activations=0.5 * GIB)
@@ -156,7 +158,13 @@ def test_reference_recipe_rollout_fits_only_with_the_trainer_offloaded():
     off = phase_estimates(_cfg(*REFERENCE, "trainer.offload=false"))
     assert off["rollout"] > gpu
     # the difference is the trainer's whole state: about 81 GiB of weights, grads and Adam
-    assert 75 * GIB < off["rollout"] - est["rollout"] < 90 * GIB
+    nothing_kept = phase_estimates(_cfg(*REFERENCE, "trainer.resident_gib=0"))
+    assert 75 * GIB < off["rollout"] - nothing_kept["rollout"] < 90 * GIB
+    # by default the offloaded trainer keeps what fits in 90% of the GPU beside the engines
+    assert est["rollout"] == pytest.approx(0.9 * gpu)
+    split = offload_split(cfg)
+    assert est["rollout"] - nothing_kept["rollout"] == pytest.approx(split.resident_bytes)
+    assert split.part("weights") == estimate_memory(cfg).params and split.part("optimizer state") > 0
 
 
 def test_plan_prints_the_phases_and_warns_without_offload():
@@ -269,6 +277,7 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "bench" / 
 H200_TINY = ["model=tiny_qwen3_5_moe", "model.dtype=bfloat16", "hardware=h200", "rollout=sglang", "cluster.num_gpus=1",
              "cluster.colocate=true", "hardware.gdn_backend=torch", "hardware.fused_kernels=false",
              "hardware.cuda_graphs=false", "rollout.max_new_tokens=64", "algo.sft_steps=0",
+             "trainer.resident_gib=0",  # every offload before 2026-12-07 moved the whole state
              # the measured runs' GRPO settings (the embedded default's until 2026-12-05)
              "algo.kl_coef=0", "algo.n_samples_per_prompt=8", "trainer.global_batch_size=64"]
 _LT = "[" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 3) + "]"
@@ -357,7 +366,7 @@ REAL_WIDTH_H100 = [
     "rollout.batch_size=8", "trainer.global_batch_size=64", "rollout.max_new_tokens=512",
     "hardware.lm_attention_backend=sdpa", "hardware.vision_attn_implementation=sdpa", "hardware.gdn_backend=torch",
     "hardware.cuda_graphs=false", "parallel.max_tokens_per_gpu=2048", "algo.routing_replay=rollout",
-    "+rollout.sglang.server_args.disable_decode_cuda_graph=true"]
+    "+rollout.sglang.server_args.disable_decode_cuda_graph=true", "trainer.resident_gib=0"]
 
 
 def test_plan_holds_the_real_width_h100_run_within_ten_percent():
@@ -478,15 +487,20 @@ def test_the_recipe_needs_at_most_1000_gib_of_host_memory_per_node():
     needs under 1000 GiB in every phase, the processes' own memory included: the save or load
     frees the pinned copies first where the node lacks room for both (beside them it takes 1051.6
     GiB). The plan prints both figures per node."""
-    cfg = _cfg("experiment=geo3k_qwen35")
+    cfg = _cfg("experiment=geo3k_qwen35", "trainer.resident_gib=0")
     node = host_bytes_per_node(cfg)
     assert trainer_ranks_per_node(cfg) == 8 and engine_gpus_per_node(cfg) == 8
     assert node["processes"] == pytest.approx((2.3 + 8 * 4.8 + 8 * 5.8) * GIB)
     assert max(node.values()) == node["save"] > 1000 * GIB
     assert max(node["offload"], node["save_copies_freed"]) < 1000 * GIB
     assert node["offload"] == pytest.approx(node["processes"] + 8 * offload_host_bytes(cfg))
-    old = host_bytes_per_node(_cfg("experiment=geo3k_qwen35", "trainer.checkpoint_format=fully_reshardable"))
+    old = host_bytes_per_node(_cfg("experiment=geo3k_qwen35", "trainer.checkpoint_format=fully_reshardable",
+                                   "trainer.resident_gib=0"))
     assert old["save"] > 1800 * GIB and old["save_copies_freed"] > 1400 * GIB
+    # the default keeps the weights and part of the optimizer state on the GPUs while the engines
+    # generate (`offload_split`): smaller pinned copies, and even a save beside them fits 1000 GiB
+    kept = host_bytes_per_node(_cfg("experiment=geo3k_qwen35"))
+    assert kept["offload"] < node["offload"] and max(kept.values()) == kept["save"] < 1000 * GIB
     text = " ".join(render_plan(cfg).split())
     assert f"every phase: at most {node['save'] / GIB:.1f} GiB" in text
     assert f"the run needs {node['save_copies_freed'] / GIB:.1f} GiB" in text
@@ -616,3 +630,58 @@ def test_every_communicator_of_several_gpus_is_counted_where_its_rank_runs():
     assert trainer_nccl_groups(one) == [] and engine_nccl_groups(one) == []
     assert not any("NCCL" in n for p in phase_memory(one, MEM) for n, _ in p.parts)
     assert trainer_nccl_groups(_cfg("cluster.num_cpu_ranks=2")) == []  # gloo on CPU ranks
+
+
+# --------------------------------------------------------------- what the offloaded trainer keeps
+def test_the_offloaded_trainer_keeps_what_fits_beside_the_engines():
+    """`offload_split`: the weights stay first (whole), then optimizer state up to the budget,
+    which by default is what `trainer.resident_budget` of the GPU leaves beside the rollout;
+    the gradients are always dropped. The rollout phase holds exactly what stays, the pinned
+    host copy exactly what moves."""
+    nothing = _cfg(*SHARED)  # resident_gib=0: everything moves
+    base = phase_estimates(nothing)["rollout"]
+    gpu = nothing.hardware.gpu_memory_gb * GIB
+    split = offload_split(nothing, MEM)
+    assert split.resident == () and split.moved_bytes == 4 * GIB and split.dropped == 2 * GIB
+    # explicit: 2.5 GiB keeps the weights (1) and 1.5 of the optimizer's 3
+    two = _cfg(*SHARED, "trainer.resident_gib=2.5")
+    split = offload_split(two, MEM)
+    assert split.resident == (("weights", 1 * GIB), ("optimizer state", 1.5 * GIB))
+    assert split.moved == (("optimizer state", 1.5 * GIB),)
+    assert offload_host_bytes(two, MEM) == 1.5 * GIB
+    assert _phases(two)["rollout"].total - _phases(nothing)["rollout"].total == pytest.approx(2.5 * GIB)
+    for phase in ("logprob", "train", "sync"):  # the trainer is whole on the GPU there either way
+        assert _phases(two)[phase].total == _phases(nothing)[phase].total
+    # weights stay whole or not at all: 0.5 GiB keeps half a GiB of optimizer state instead
+    half = offload_split(_cfg(*SHARED, "trainer.resident_gib=0.5"), MEM)
+    assert half.resident == (("optimizer state", 0.5 * GIB),)
+    assert half.moved == (("weights", 1 * GIB), ("optimizer state", 2.5 * GIB))
+    # auto: the budget is 90% of the GPU less the rollout with nothing kept
+    auto = _cfg(*[o for o in SHARED if o != "trainer.resident_gib=0"])
+    split = offload_split(auto)
+    assert split.budget == pytest.approx(0.9 * gpu - base)
+    assert phase_estimates(auto)["rollout"] == pytest.approx(min(0.9 * gpu, base + split.resident_bytes))
+    mem = estimate_memory(auto)
+    assert split.resident_bytes + split.moved_bytes == pytest.approx(mem.params + mem.optimizer)
+    tight = offload_split(_cfg(*[o for o in SHARED if o != "trainer.resident_gib=0"],
+                               f"trainer.resident_budget={(base + 0.5 * mem.params) / gpu}"))
+    assert tight.part("weights") == 0 and tight.part("optimizer state") == pytest.approx(0.5 * mem.params)
+    # without offload everything stays; on CPU ranks there is nothing to split
+    assert offload_split(_cfg(*SHARED, "trainer.offload=false"), MEM).moved == ()
+    # the KL term's reference weights stay or move with the policy's
+    kl = offload_split(_cfg(*SHARED, "algo.kl_coef=0.1", "trainer.resident_gib=2.5"), MEM)
+    assert kl.resident == (("weights", 2 * GIB), ("optimizer state", 0.5 * GIB))
+    assert offload_split(_cfg(*SHARED, "algo.kl_coef=0.1", "trainer.resident_gib=1.5"), MEM).resident == (
+        ("optimizer state", 1.5 * GIB),)
+
+
+def test_what_the_trainer_keeps_bounds_no_micro_batch():
+    """The resident state fills what the rollout leaves of its budget, so it never limits the
+    micro-batch budget; and bad settings are refused by name."""
+    auto = [o for o in H200_SCALED if o != "trainer.resident_gib=0"]
+    assert largest_micro_batch_tokens(_cfg(*auto)) == largest_micro_batch_tokens(_cfg(*H200_SCALED))
+    assert largest_micro_batch_tokens(_cfg(*auto, "trainer.resident_budget=0.99")) is not None
+    with pytest.raises(ConfigError, match="trainer.resident_gib"):
+        load([*SHARED, "trainer.resident_gib=-1"])
+    with pytest.raises(ConfigError, match="trainer.resident_budget"):
+        load([*SHARED, "trainer.resident_budget=1.5"])

@@ -8,7 +8,8 @@ A colocated step moves through phases, each with its own tenants:
               optimizer steps, checkpoints)
     sync      the trainer is on the GPU and the engines hold their weights only, which the
               sync overwrites; KV cache and CUDA graphs come back after it, once the sync's
-              buffers are gone
+              buffers are gone. With offload the trainer's state starts copying out to the
+              host as the step enters this phase (`stage`): the sync only reads it
 
 An engine whose process dies in a release or resume is restarted by the engine group, which
 makes it hold what the others hold; it comes back with the start checkpoint's weights, so the
@@ -63,15 +64,20 @@ def phase(name: str, *, offload: bool) -> Residency:
     return r if offload else Residency(r.engine, trainer=True)
 
 
-def plan(now: Residency, target: Residency) -> list[tuple[str, tuple[str, ...]]]:
-    """The calls from `now` to `target`, in order: ("release", tags), ("offload", ()),
-    ("trim", ()), ("onload", ()), ("resume", tags). Everything that frees memory comes before
-    anything that takes it. A trim comes where the trainer stays on the GPU and engines take
-    memory back (train -> sync; train -> generate without offload): what torch caches of the
-    trainer's freed activations would otherwise sit beside the engines' weights and KV cache."""
+def plan(now: Residency, target: Residency, *, leaves_next: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """The calls from `now` to `target`, in order: ("stage", ()), ("release", tags),
+    ("offload", ()), ("trim", ()), ("onload", ()), ("resume", tags). Everything that frees
+    memory comes before anything that takes it. A trim comes where the trainer stays on the GPU
+    and engines take memory back (train -> sync; train -> generate without offload): what torch
+    caches of the trainer's freed activations would otherwise sit beside the engines' weights
+    and KV cache. A stage comes first where the trainer stays but leaves at the phase after
+    (`leaves_next`: train -> sync with offload): its state starts copying out while the engines
+    resume and the sync runs, so that the offload after the sync waits only for the rest."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     release = now.engine - target.engine
     resume = target.engine - now.engine
+    if leaves_next and now.trainer and target.trainer:
+        steps.append(("stage", ()))
     if release:
         steps.append(("release", tuple(t for t in MEMORY_TAGS if t in release)))
     if now.trainer and not target.trainer:
@@ -115,7 +121,9 @@ class Colocation:
         if name == "generate" and self.weights_stale:
             raise RuntimeError("the engines' weights were released and not synced since: they would generate from "
                                "freed memory (sync the trainer's weights before the next rollout or eval)")
-        for kind, tags in plan(self.now, target):
+        # the trainer leaves the GPU after a sync (offload): its copy out can start now
+        leaves_next = name == "sync" and self.offload and self.trainer is not None
+        for kind, tags in plan(self.now, target, leaves_next=leaves_next):
             t0 = time.perf_counter()
             if kind == "release":
                 restarted = self.release(tags)
@@ -130,7 +138,7 @@ class Colocation:
             else:
                 figures = getattr(self.trainer, kind)()
                 self.moved_bytes[kind] = self.moved_bytes.get(kind, 0.0) + float((figures or {}).get("bytes", 0))
-                if kind != "trim":
+                if kind not in ("trim", "stage"):
                     self.now = Residency(self.now.engine, trainer=kind == "onload")
             self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
 

@@ -141,6 +141,10 @@ class TrainerWorker:
     def onload(self) -> dict[str, float]:
         return self.trainer.onload()
 
+    def stage(self) -> dict[str, float]:
+        """Start the copy out of what the next offload moves (see `MegatronTrainer.stage_offload`)."""
+        return self.trainer.stage_offload()
+
     def trim(self) -> dict[str, float]:
         """Return torch's cached free blocks to the device (see `MegatronTrainer.trim`)."""
         return self.trainer.trim()
@@ -304,6 +308,14 @@ class TrainerGroup:
 
         with self._collective():
             return ray.get([w.onload.remote() for w in self.workers])[0]
+
+    def stage(self) -> dict[str, float]:
+        """Every rank starts copying out what its next offload moves, on a side stream, while
+        the weight sync runs (`trainer.offload_overlap`); returns rank 0's figures."""
+        import ray
+
+        with self._collective():
+            return ray.get([w.stage.remote() for w in self.workers])[0]
 
     def trim(self) -> dict[str, float]:
         """Every rank gives torch's cached free blocks back to its GPU (colocated engines take

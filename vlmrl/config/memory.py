@@ -458,11 +458,77 @@ def offload_config_problems(cfg: VlmrlConfig) -> list[str]:
     """What is wrong with `trainer.offload` in `cfg` (empty when nothing): offloading moves
     the trainer's state from GPU memory to host memory, so `trainer.offload=true` on hardware
     without GPUs is refused rather than ignored."""
-    if cfg.trainer.offload and cfg.hardware.device != "cuda":
-        return [f"trainer.offload=true needs GPUs, and hardware.device={cfg.hardware.device!r} "
-                f"(hardware={cfg.hardware.name}): the trainer's state is in host memory already; "
-                "set trainer.offload=null (on exactly when colocated on GPUs) or false"]
-    return []
+    t = cfg.trainer
+    out = []
+    if t.offload and cfg.hardware.device != "cuda":
+        out.append(f"trainer.offload=true needs GPUs, and hardware.device={cfg.hardware.device!r} "
+                   f"(hardware={cfg.hardware.name}): the trainer's state is in host memory already; "
+                   "set trainer.offload=null (on exactly when colocated on GPUs) or false")
+    if t.resident_gib is not None and not t.resident_gib >= 0:
+        out.append(f"trainer.resident_gib={t.resident_gib}: GiB of trainer state kept on each GPU while the engines "
+                   "generate, 0 or more (null: what fits in trainer.resident_budget of the GPU)")
+    if not 0 < t.resident_budget <= 1:
+        out.append(f"trainer.resident_budget={t.resident_budget}: the share of a GPU that the rollout phase may fill "
+                   "with the trainer's resident state beside the engines, in (0, 1]")
+    return out
+
+
+@dataclass(frozen=True)
+class OffloadSplit:
+    """Where each part of a trainer GPU's state is while the engines generate (colocated with
+    offload), in bytes: `resident` stays on the GPU, `moved` goes to pinned host memory and
+    back, `dropped` (the gradients, which every step zeroes first) is freed without a copy.
+    Weights stay before optimizer state: the forward needs them first, while the optimizer
+    state is read only by the optimizer step, after the backward (`trainer.offload_overlap`
+    brings it back meanwhile). Weights stay whole or move whole (they live in a few large DDP
+    buffers; the KL term's reference weights count with them); optimizer state is split tensor
+    by tensor."""
+
+    resident: tuple[tuple[str, float], ...]
+    moved: tuple[tuple[str, float], ...]
+    dropped: float
+    budget: float  # the bytes that were allowed to stay
+
+    @property
+    def resident_bytes(self) -> float:
+        return sum(b for _, b in self.resident)
+
+    @property
+    def moved_bytes(self) -> float:
+        return sum(b for _, b in self.moved)
+
+    def part(self, name: str, where: str = "resident") -> float:
+        return sum(b for n, b in getattr(self, where) if n == name)
+
+
+def offload_split(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> OffloadSplit:
+    """The trainer's state split by where it spends the rollout (`OffloadSplit`). Without
+    offload everything is resident. With it, `trainer.resident_gib` bytes may stay, or where
+    that is null, what keeps the rollout phase within `trainer.resident_budget` of the GPU: the
+    budget less the rollout phase with nothing kept (the engines' peak, the trainer's process,
+    communicators and CUDA graph pools)."""
+    mem = mem or estimate_memory(cfg)
+    # the KL term's reference model stays or moves with the policy's weights (the trainer
+    # holds both as parameters it never moves once built)
+    parts = [("weights", mem.params * (2 if cfg.algo.uses_reference else 1)), ("optimizer state", mem.optimizer)]
+    if cfg.hardware.device != "cuda" or not trainer_offload(cfg):
+        return OffloadSplit(tuple(parts), (), 0.0, float("inf"))
+    t = cfg.trainer
+    if t.resident_gib is not None:
+        budget = float(t.resident_gib) * GIB
+    else:
+        rollout = next(ph for ph in phase_memory(cfg, mem, split=OffloadSplit((), tuple(parts), mem.grads, 0.0))
+                       if ph.phase == "rollout")
+        budget = max(t.resident_budget * cfg.hardware.gpu_memory_gb * GIB - rollout.total, 0.0)
+    resident, moved, left = [], [], budget
+    for name, b in parts:
+        keep = min(b, left) if name == "optimizer state" else (b if b <= left else 0.0)
+        if keep:
+            resident.append((name, keep))
+            left -= keep
+        if b - keep:
+            moved.append((name, b - keep))
+    return OffloadSplit(tuple(resident), tuple(moved), mem.grads, budget)
 
 
 def training_cuda_graphs(cfg: VlmrlConfig) -> tuple[bool, str | None]:
@@ -639,15 +705,17 @@ def _gib_text(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[PhaseMemory]:
+def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None,
+                 split: OffloadSplit | None = None) -> list[PhaseMemory]:
     """The peak of each phase of a step on the most loaded GPU (pipeline stage 0).
 
     Colocated (trainer and engines on the same GPUs; `where` "shared"):
 
     - rollout: the engines generate with everything they hold (static pool =
       `mem_fraction_static` x GPU memory, plus their CUDA graphs and activations); the trainer
-      keeps its process and, with offload, nothing else (without it: its weights, gradients
-      and optimizer state). CUDA graph trees of the trainer keep their pools either way.
+      keeps its process and, with offload, what `offload_split` leaves resident (without it:
+      its weights, gradients and optimizer state). CUDA graph trees of the trainer keep their
+      pools either way.
     - logprob: the trainer's state and a forward's activations; the released engines keep
       their processes.
     - train: the trainer's state and the activations of a training micro-batch.
@@ -681,7 +749,11 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> list[Ph
                 PhaseMemory("logprob", "trainer", tuple(on_trainer + fwd_acts)),
                 PhaseMemory("train", "trainer", tuple(on_trainer + train_acts)),
                 *([PhaseMemory("save", "trainer", tuple(on_trainer + save_gather))] if gather else [])]
-    kept = [] if offload else state
+    if offload:
+        split = split or offload_split(cfg, mem)
+        kept = [(f"trainer {name} kept on the GPU (trainer.resident_gib)", b) for name, b in split.resident]
+    else:
+        kept = state
     return [
         PhaseMemory("rollout", "shared", tuple(_engine_generating(cfg) + kept + trainer_process + trainer_graphs)),
         PhaseMemory("logprob", "shared", tuple(state + trainer_process + trainer_graphs + fwd_acts + released_engine)),
@@ -721,7 +793,11 @@ def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = 0.9, granular
 
     def peak(tokens: int) -> float:
         trial = replace(cfg, parallel=replace(p, max_tokens_per_gpu=tokens))
-        return max(ph.total for ph in phase_memory(trial))
+        mem = estimate_memory(trial)
+        # the offloaded trainer's resident state fills what the rollout leaves of its own budget
+        # (`offload_split`): count the rollout with nothing kept, so that it bounds no micro-batch
+        split = OffloadSplit((), (("state", mem.params + mem.optimizer),), mem.grads, 0.0)
+        return max(ph.total for ph in phase_memory(trial, mem, split=split if trainer_offload(trial) else None))
 
     lo, hi = 0, limit // granularity  # in units of granularity; the peak grows with the tokens
     while lo < hi:
@@ -734,13 +810,13 @@ def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = 0.9, granular
 
 
 def offload_host_bytes(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> float:
-    """Pinned host memory per trainer GPU that holds the offloaded state: weights (and the
-    reference model's) and optimizer state; gradients are dropped, not copied (every step
-    zeroes them first). 0 where the trainer does not offload."""
+    """Pinned host memory per trainer GPU that holds the offloaded state: what of the weights
+    (and the reference model's) and optimizer state does not stay on the GPU (`offload_split`);
+    gradients are dropped, not copied (every step zeroes them first). 0 where the trainer does
+    not offload."""
     if cfg.hardware.device != "cuda" or not trainer_offload(cfg):
         return 0.0
-    mem = mem or estimate_memory(cfg)
-    return mem.params * (2 if cfg.algo.uses_reference else 1) + mem.optimizer
+    return offload_split(cfg, mem).moved_bytes
 
 
 def trainer_ranks_per_node(cfg: VlmrlConfig) -> int:

@@ -341,6 +341,16 @@ class TrainerConfig(Sealable):
     # engines generate, and come back for training and the weight sync; null: on exactly when
     # the trainer shares its GPUs with the engines (cluster.colocate on hardware with GPUs)
     offload: bool | None = None
+    # With offload: GiB of the trainer's state (its weights first, then optimizer state) that
+    # stay on each GPU while the engines generate and so never cross PCIe; null: what fits in
+    # `resident_budget` of the GPU beside the engines' rollout peak (`python -m vlmrl.plan`
+    # prints the split); 0: everything leaves (gradients always do: they are dropped, not copied)
+    resident_gib: float | None = None
+    resident_budget: float = 0.9
+    # With offload: the optimizer state that moves comes back on a side stream while the
+    # forward and backward run (the optimizer step waits for it) and goes out while the weight
+    # sync runs; false: both copies are made inside the onload and the offload, in the open
+    offload_overlap: bool = True
     # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
     moe_aux_loss_coeff: float = 0.0
     # MoE router logits: fp32 (Megatron's float32 router) | engine (in the model's dtype, as

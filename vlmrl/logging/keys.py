@@ -74,6 +74,14 @@ perf (seconds unless stated)
   perf/filler_micro_batches     micro-batches with nothing to train on, run so that every rank
                                 runs as many under expert parallelism (an uneven split of the
                                 step's samples over data-parallel ranks)
+  perf/offload_time, perf/onload_time, perf/engine_release_time, perf/engine_resume_time
+                                colocated: the memory moves between trainer and engines (the
+                                step's, the next rollout's offload and resume included)
+  perf/offload_stage_time       starting the copy out of the trainer's state before the sync
+                                (trainer.offload_overlap)
+  perf/onload_overlapped_copy_time, perf/onload_overlap_wait_time
+                                the optimizer state's copy back during the forward and backward:
+                                its length, and what the optimizer step waited for it
 moe (MoE models; means over the step's optimizer updates)
   moe/imbalance/layer_<n>       largest expert load / mean expert load of layer n (1 = even)
   moe/imbalance_max, moe/imbalance_mean
@@ -127,6 +135,12 @@ PERF_OFFLOAD_TIME = "perf/offload_time"
 PERF_ONLOAD_TIME = "perf/onload_time"
 PERF_ENGINE_RELEASE_TIME = "perf/engine_release_time"
 PERF_ENGINE_RESUME_TIME = "perf/engine_resume_time"
+# the copy out of the trainer's state started before the sync (trainer.offload_overlap), and
+# the overlapped copy in of its optimizer state: its own length and what the optimizer step
+# waited for it after the backward (vlmrl.training.offload, CUDA events of trainer rank 0)
+PERF_OFFLOAD_STAGE_TIME = "perf/offload_stage_time"
+PERF_ONLOAD_OVERLAPPED_COPY_TIME = "perf/onload_overlapped_copy_time"
+PERF_ONLOAD_OVERLAP_WAIT_TIME = "perf/onload_overlap_wait_time"
 # a checkpoint's save, logged at the step it saves (vlmrl.training.checkpoint.save_checkpoint):
 # the host memory the save took on the most loaded rank, the plan's figure for it, and the
 # pinned offload copy freed first where the host could not hold both
@@ -165,6 +179,9 @@ PERF_KEYS = (
     PERF_ONLOAD_TIME,
     PERF_ENGINE_RELEASE_TIME,
     PERF_ENGINE_RESUME_TIME,
+    PERF_OFFLOAD_STAGE_TIME,
+    PERF_ONLOAD_OVERLAPPED_COPY_TIME,
+    PERF_ONLOAD_OVERLAP_WAIT_TIME,
     PERF_CHECKPOINT_TIME,
 )
 RESERVED_KEYS = ("step", "time")

@@ -99,7 +99,8 @@ def rl_step_metrics(*, rollout: Mapping[str, float], sampling: Mapping[str, floa
     if moved is not None:  # this step's moves of device memory (the next rollout's included)
         out.update({mk.PERF_OFFLOAD_TIME: moved.get("offload", 0.0), mk.PERF_ONLOAD_TIME: moved.get("onload", 0.0),
                     mk.PERF_ENGINE_RELEASE_TIME: moved.get("release", 0.0),
-                    mk.PERF_ENGINE_RESUME_TIME: moved.get("resume", 0.0)})
+                    mk.PERF_ENGINE_RESUME_TIME: moved.get("resume", 0.0),
+                    mk.PERF_OFFLOAD_STAGE_TIME: moved.get("stage", 0.0)})
     return out
 
 

@@ -201,6 +201,7 @@ def save_checkpoint(trainer: Any, path: str | os.PathLike, extra: dict[str, Any]
     t0 = time.perf_counter()
     path = Path(path)
     rank = dist.get_rank()
+    getattr(trainer, "settle_offload", lambda: None)()  # the optimizer state whole on the device
     need, available, dropped = _host_room(trainer, "save")
     if rank == 0:
         (path / "dist").mkdir(parents=True, exist_ok=True)
@@ -228,6 +229,7 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    getattr(trainer, "settle_offload", lambda: None)()
     _host_room(trainer, "load")
     if getattr(trainer, "distributed_optimizer", False):
         # megatron-core 0.16's DistributedOptimizer reads torch Adam's step counters while it
@@ -256,6 +258,7 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike) -> dict[str, Any]:
     trainer.optimizer.load_state_dict(state["optimizer"])
     if compat.cuda_available():  # the loaded param groups carry the saved implementation flags
         use_fused_adam(trainer.optimizer)
+    getattr(trainer, "state_written", lambda: None)()
     trainer.steps = meta["steps"]
     trainer.load_scheduler_state(meta["scheduler"])
     _set_rng_state(torch.load(path / f"rng_{dist.get_rank()}.pt", weights_only=False))

@@ -11,15 +11,25 @@ CUDA graph that points into the region is valid again after `resume`, with no po
 rewritten: the trainer's CUDA graphs read the weights in place (`use_cuda_graphs` marks the
 parameters as static addresses), so their storage may never move once the graphs exist.
 
-Two regions:
+Two regions, neither with torch_memory_saver's own host copy:
 
-- state (weights, parameter buffers, main parameters, optimizer state): a pinned host copy
-  is taken at `pause` and copied back at `resume`. The host copy is kept between pauses and
-  allocated once, when the trainer is built (`allocate_host_copy`): pinning that much host
-  memory takes far longer than the copies themselves. A checkpoint whose save needs that
-  host memory drops it (`drop_host_copy`) and the next pause allocates it again;
+- state (weights, parameter buffers, main parameters, optimizer state): vlmrl copies it to one
+  pinned host buffer before `pause` and back after `resume`, with asynchronous copies. The host
+  buffer is kept between pauses and allocated once, when the trainer is built
+  (`allocate_host_copy`): pinning that much host memory takes far longer than the copies
+  themselves. A checkpoint whose save needs that host memory drops it (`drop_host_copy`) and
+  the next pause allocates it again;
 - grads (the DDP gradient buffers): no host copy. Every step zeroes them before its first
   backward, so their contents between steps are never read; `resume` zeroes them anyway.
+
+Not everything has to move (`vlmrl.config.memory.offload_split`): the weights, and optimizer
+tensors up to a byte budget, can stay on the device while the engines generate (they are then
+never placed in a region). Of what moves, the optimizer state is read by nothing but the
+optimizer step: with `overlap` its copy back runs on a side stream while the forward and
+backward run, and the step waits for it (`before_optimizer_step`). The copy out, of weights and
+optimizer state alike (both final after the optimizer step), starts when the loop heads for the
+weight sync (`stage_out`), so that the offload after the sync waits only for its rest. The
+weights come back inside `resume`: the forward needs them first.
 
 The storages are placed in the regions after Megatron built them (`adopt`): each one is
 copied into region memory and the old block freed, with `UntypedStorage.resize_`, which
@@ -39,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -58,11 +67,14 @@ class Held:
     """A tensor whose storage goes with the trainer's device state.
 
     `keep`: its contents must survive a pause (host copy); `fixed`: its address must not
-    change once the trainer is built (parameters and the buffers they live in)."""
+    change once the trainer is built (parameters and the buffers they live in); `optimizer`:
+    optimizer state that nothing but the optimizer step reads (a storage held as anything else
+    too, a parameter the optimizer updates in place, counts as weights)."""
 
     tensor: torch.Tensor
     keep: bool = True
     fixed: bool = False
+    optimizer: bool = False  # read only by the optimizer step (may come back while the backward runs)
 
 
 def load_memory_saver() -> Any:
@@ -122,41 +134,51 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 class DeviceStateOffload:
     """Places a trainer rank's device state in torch_memory_saver regions and pauses /
     resumes them. `held` lists what goes (it is called again at every pause, so state that
-    appeared since is adopted then)."""
+    appeared since is adopted then).
 
-    def __init__(self, held: Callable[[], Iterable[Held]], device: torch.device, saver: Any = None) -> None:
+    `resident_weights` and `resident_optimizer_bytes` (`vlmrl.config.memory.offload_split`)
+    leave state on the device: the weights whole, optimizer tensors in the order `held` gives
+    them while their bytes fit. With `overlap`, the optimizer state that moves is copied on a
+    side stream: back in while the forward and backward run (`before_optimizer_step` makes the
+    step wait for it) and out from `stage_out` on (the loop calls it before the weight sync), so
+    that `pause` only waits for what is left of the copy."""
+
+    def __init__(self, held: Callable[[], Iterable[Held]], device: torch.device, saver: Any = None, *,
+                 resident_weights: bool = False, resident_optimizer_bytes: float = 0.0,
+                 overlap: bool = False) -> None:
         if device.type != "cuda":
             raise ValueError(f"device state offload needs a CUDA device, not {device}")
         self.saver = saver if saver is not None else load_memory_saver()
         self.device = device
         self._held = held
-        # storages placed in the regions: data pointer -> (tag, bytes)
-        self._placed: dict[int, tuple[str, int]] = {}
+        self.resident_weights = resident_weights
+        self.resident_optimizer_bytes = float(resident_optimizer_bytes)
+        self.overlap = overlap
+        # storages placed in the regions: data pointer -> (tag, bytes, what: weights | optimizer | grads)
+        self._placed: dict[int, tuple[str, int, str]] = {}
+        # storages left on the device on purpose: data pointer -> (bytes, what)
+        self._resident: dict[int, tuple[int, str]] = {}
         self._built = False
         self.paused = False
-        self._host_copy = False  # a pinned host copy is allocated and kept (see `drop_host_copy`)
-        # keep the pinned host copy between pauses, so that only the first pause allocates it
-        # (releases before 0.0.10 cannot: each of their pauses allocates it again)
-        try:
-            self.saver.retain_cpu_backup = True
-            self.retains_host_copy = True
-        except AttributeError:
-            self.retains_host_copy = False
+        # the pinned host copy (one buffer, registered with CUDA) and each moved storage's offset in it
+        self._host: torch.Tensor | None = None
+        self._offsets: dict[int, int] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self.version = 0  # bumped by every write of the state (`changed`)
+        self._out: tuple[int, Any, Any] | None = None  # (version copied, start event, end event) of the copy out
+        self._host_version: int | None = None  # the version the host copy holds (None: none whole)
+        self._in: tuple[Any, Any] | None = None  # (start, end) of the optimizer state's copy in, not yet waited for
+        self.last_overlap: dict[str, float] = {}
 
     # ------------------------------------------------------------------ placement
     @contextlib.contextmanager
     def _region(self, tag: str) -> Iterator[None]:
-        kwargs: dict[str, Any] = {"tag": tag, "enable_cpu_backup": tag == STATE_TAG}
-        if tag == STATE_TAG and "cpu_backup_backend" in inspect.signature(self.saver.region).parameters:
-            kwargs["cpu_backup_backend"] = "pinned"  # page-locked: the fast copies (releases before 0.0.10: their default)
-        with self.saver.region(**kwargs):
+        with self.saver.region(tag=tag, enable_cpu_backup=False):
             yield
 
-    def adopt(self) -> dict[str, int]:
-        """Place every held storage that is not in its region yet; returns the number of
-        storages and bytes moved. After `finish_build`, a fixed storage outside the regions
-        is an error (its old address may be in compiled CUDA graphs)."""
-        groups: dict[int, tuple[torch.UntypedStorage, bool, bool]] = {}
+    def _groups(self) -> dict[int, tuple[torch.UntypedStorage, bool, bool, bool]]:
+        """Held storages by data pointer: (storage, keep, fixed, optimizer-only)."""
+        groups: dict[int, tuple[torch.UntypedStorage, bool, bool, bool]] = {}
         for h in self._held():
             t = h.tensor
             if t is None or t.device.type != "cuda":
@@ -166,19 +188,39 @@ class DeviceStateOffload:
                 continue
             key = s.data_ptr()
             old = groups.get(key)
-            groups[key] = (s, h.keep or (old is not None and old[1]), h.fixed or (old is not None and old[2]))
+            if old is None:
+                groups[key] = (s, h.keep, h.fixed, h.optimizer)
+            else:
+                groups[key] = (s, h.keep or old[1], h.fixed or old[2], h.optimizer and old[3])
+        return groups
+
+    def adopt(self) -> dict[str, int]:
+        """Place every held storage that is not in its region yet (or left resident); returns
+        the number of storages and bytes moved. After `finish_build`, a fixed storage outside
+        the regions is an error (its old address may be in compiled CUDA graphs)."""
         moved = moved_bytes = 0
-        for key, (s, keep, fixed) in groups.items():
-            if key in self._placed:
+        kept_optimizer = sum(n for n, what in self._resident.values() if what == "optimizer")
+        for key, (s, keep, fixed, opt) in self._groups().items():
+            if key in self._placed or key in self._resident:
+                continue
+            what = "grads" if not keep else "optimizer" if opt and not fixed else "weights"
+            n = s.nbytes()
+            if what == "weights" and self.resident_weights and not self._built:
+                self._resident[key] = (n, what)
+                continue
+            if what == "optimizer" and kept_optimizer + n <= self.resident_optimizer_bytes:
+                self._resident[key] = (n, what)
+                kept_optimizer += n
                 continue
             if fixed and self._built:
                 raise RuntimeError(
-                    f"trainer.offload: a parameter's storage ({s.nbytes()} bytes at {key:#x}) is not where the "
+                    f"trainer.offload: a parameter's storage ({n} bytes at {key:#x}) is not where the "
                     "trainer was built: something replaced it since (param.data = ...), and moving it now would "
                     "leave compiled CUDA graphs reading the old address; copy into parameters in place instead")
             self._place(s, STATE_TAG if keep else GRADS_TAG, keep)
+            self._placed[s.data_ptr()] = (STATE_TAG if keep else GRADS_TAG, n, what)
             moved += 1
-            moved_bytes += s.nbytes()
+            moved_bytes += n
         # placements free the old blocks into torch's cache: give them back to the device
         torch.cuda.empty_cache()
         return {"storages": moved, "bytes": moved_bytes}
@@ -194,105 +236,273 @@ class DeviceStateOffload:
             del copy
         else:
             _bytes_view(storage).zero_()
-        self._placed[storage.data_ptr()] = (tag, n)
 
     def finish_build(self) -> None:
         """From now on parameters must stay where they are (the CUDA graphs may record them)."""
         self._built = True
 
+    # ------------------------------------------------------------------ the host copy
+    def _layout(self) -> dict[int, int]:
+        """Each moved storage's offset in the host copy (512-byte aligned), by data pointer."""
+        out, total = {}, 0
+        for key, (tag, n, _) in self._placed.items():
+            if tag == STATE_TAG:
+                out[key] = total
+                total += -(-n // 512) * 512
+        return out
+
+    def _host_buffer(self) -> torch.Tensor:
+        """The pinned host copy, laid out for the storages placed now: allocated where it is
+        missing or the placed storages changed (a checkpoint's load replaced optimizer state).
+        One host allocation registered with CUDA (page-locked, so that copies run at the bus's
+        rate and asynchronously): torch's pinned allocator would round it up to a power of two."""
+        layout = self._layout()
+        if self._host is not None and layout == self._offsets:
+            return self._host
+        self._free_host()
+        total = max((off + -(-self._placed[k][1] // 512) * 512 for k, off in layout.items()), default=0)
+        host = torch.empty(max(total, 1), dtype=torch.uint8)
+        if total:
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), total, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"trainer.offload: pinning {total / 2**30:.1f} GiB of host memory for the "
+                                   f"offloaded state failed (cudaHostRegister error {int(err)})")
+        self._host, self._offsets = host, layout
+        return host
+
+    def _free_host(self) -> None:
+        if self._host is None:
+            return
+        self._settle()
+        if self._offsets:
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+        self._host, self._offsets, self._host_version = None, {}, None
+
     def allocate_host_copy(self) -> float:
-        """Pause and resume once, so that the pinned host copy exists before the first real
-        pause (allocating and pinning host memory is far slower than the copies); returns the
-        seconds it took. Nothing where the host copy is not kept between pauses."""
-        if not self.retains_host_copy or self.paused:
+        """Allocate and pin the host copy now (the trainer does when it is built: pinning that
+        much host memory takes far longer than the copies); returns the seconds it took."""
+        if self.paused:
             return 0.0
         t0 = time.perf_counter()
-        self.pause()
-        self.resume()
+        self._prune()
+        self.adopt()
+        self._host_buffer()
         return time.perf_counter() - t0
 
     @property
     def host_copy_bytes(self) -> int:
-        """Pinned host bytes kept between pauses now (0 before the first pause, after
-        `drop_host_copy`, and where the saver does not keep the copy)."""
-        return self.held_bytes()[STATE_TAG] if self._host_copy else 0
+        """Pinned host bytes kept between pauses now (0 before the host copy is allocated and
+        after `drop_host_copy`)."""
+        return sum(self._placed[k][1] for k in self._offsets) if self._host is not None else 0
 
     def drop_host_copy(self) -> dict[str, float]:
-        """Free the pinned host copy kept between pauses, for whatever needs the host memory
-        while the state is on the device (a checkpoint's save). torch_memory_saver frees a copy
-        at a resume that does not retain it, so this is one pause and resume with retention
-        off; the next pause allocates the copy again (seconds per 10 GB, `allocate_host_copy`).
-        Returns `bytes` freed and `seconds`; nothing while paused or where no copy is kept."""
-        if not self._host_copy or self.paused:
+        """Free the pinned host copy while the state is on the device, for whatever needs the
+        host memory then (a checkpoint's save); the next pause allocates it again (seconds per
+        10 GB, `allocate_host_copy`). Returns `bytes` freed and `seconds`; nothing while paused."""
+        if self._host is None or self.paused:
             return {"bytes": 0.0, "seconds": 0.0}
         n = self.host_copy_bytes
         t0 = time.perf_counter()
-        self.saver.retain_cpu_backup = False
-        try:
-            self.pause()
-            self.resume()
-        finally:
-            self.saver.retain_cpu_backup = True
-        self._host_copy = False
+        self._free_host()
+        self._out = None
         return {"bytes": float(n), "seconds": time.perf_counter() - t0}
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the held storages now in each region."""
         out = {STATE_TAG: 0, GRADS_TAG: 0}
-        for tag, n in self._placed.values():
+        for tag, n, _ in self._placed.values():
             out[tag] += n
         return out
 
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of the held storages left on the device, by what they are (weights, optimizer)."""
+        out = {"weights": 0, "optimizer": 0}
+        for n, what in self._resident.values():
+            out[what] += n
+        return out
+
     def _prune(self) -> None:
-        """Forget placed storages that are no longer held (replaced optimizer state)."""
-        live = set()
-        for h in self._held():
-            if h.tensor is not None and h.tensor.device.type == "cuda":
-                live.add(_storage_key(h.tensor))
-        for key in [k for k in self._placed if k not in live]:
-            del self._placed[key]
+        """Forget storages that are no longer held (replaced optimizer state)."""
+        live = set(self._groups())
+        for d in (self._placed, self._resident):
+            for key in [k for k in d if k not in live]:
+                del d[key]
+
+    # ------------------------------------------------------------------ copies
+    def _side(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def _copies(self, what: set[str], out: bool, storages: dict[int, Any] | None = None) -> int:
+        """Enqueue the copies of the moved storages of kinds `what` on the current stream,
+        between the device and the host copy; returns the bytes."""
+        host = self._host_buffer()
+        storages = storages if storages is not None else {k: g[0] for k, g in self._groups().items()}
+        n = 0
+        for key, off in self._offsets.items():
+            tag, size, kind = self._placed[key]
+            if kind not in what:
+                continue
+            dev, h = _bytes_view(storages[key]), host[off:off + size]
+            (h if out else dev).copy_(dev if out else h, non_blocking=True)
+            n += size
+        return n
+
+    def changed(self) -> None:
+        """The state was written (an optimizer step, a load): a copy out made before is stale."""
+        self.version += 1
+
+    def stage_out(self) -> dict[str, float]:
+        """Start copying the moved state to the host copy on the side stream, after what the
+        current stream has queued (the optimizer step); `pause` waits for it. Nothing without
+        `overlap`, while paused, or where nothing moves."""
+        if not self.overlap or self.paused or not any(t == STATE_TAG for t, _, _ in self._placed.values()):
+            return {"bytes": 0.0}
+        self._prune()
+        self.adopt()
+        if self._host is not None and self._offsets == self._layout() and self._host_version == self.version:
+            return {"bytes": 0.0}  # the host copy is current already
+        self._settle_in()
+        self._host_buffer()
+        side = self._side()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            n = self._copies({"weights", "optimizer"}, out=True)
+            end.record()
+        self._out = (self.version, start, end)
+        return {"bytes": float(n)}
+
+    def before_optimizer_step(self) -> None:
+        """The current stream waits for the optimizer state's copy in (and for a copy out
+        still reading what the step will write). Called right before the optimizer step."""
+        cur = torch.cuda.current_stream(self.device)
+        if self._in is not None:
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record(cur)  # the backward's end, in stream order
+            cur.wait_event(self._in[1])
+            self.last_overlap = {"_in_start": self._in[0], "_in_end": self._in[1], "_ready": ready}
+            self._in = None
+        if self._out is not None:
+            cur.wait_event(self._out[2])
+
+    def overlap_figures(self) -> dict[str, float]:
+        """The last overlapped copy in, from CUDA events (`vlmrl.logging.keys`):
+        perf/onload_overlapped_copy_time (its own length) and perf/onload_overlap_wait_time (how
+        long the optimizer step waited for it after the backward ended); empty where nothing
+        was overlapped since the last call."""
+        f = self.last_overlap
+        if not f:
+            return {}
+        self.last_overlap = {}
+        f["_ready"].synchronize()
+        f["_in_end"].synchronize()
+        return {"perf/onload_overlapped_copy_time": f["_in_start"].elapsed_time(f["_in_end"]) / 1e3,
+                "perf/onload_overlap_wait_time": max(f["_ready"].elapsed_time(f["_in_end"]) / 1e3, 0.0)}
+
+    def _settle_in(self) -> None:
+        """Wait (on the host) for a copy in that nothing has waited for yet."""
+        if self._in is not None:
+            self._in[1].synchronize()
+            self._in = None
+
+    def _settle(self) -> None:
+        """Wait for every copy in flight (before the host copy or the regions go)."""
+        self._settle_in()
+        if self._out is not None:
+            self._out[2].synchronize()
+
+    def settle(self) -> None:
+        """Make the state whole on the device for readers outside the step (a checkpoint's
+        save or load): the copy in finished and waited for."""
+        self._settle_in()
 
     # ------------------------------------------------------------------ moves
     def pause(self) -> dict[str, float]:
-        """Free the physical memory of both regions (the state's contents go to pinned host
-        memory) and return torch's cached blocks of everything else to the device."""
+        """Free the physical memory of both regions (the state's contents go to the pinned
+        host copy, or went there since `stage_out`) and return torch's cached blocks of
+        everything else to the device."""
         if self.paused:
-            return _figures(0, 0, 0.0, already=True)
-        self.adopt()
+            return _figures(0, 0, 0.0, 0.0, already=True)
         self._prune()
+        self.adopt()
         held = self.held_bytes()
+        self._settle_in()
         torch.cuda.synchronize(self.device)
         free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
+        laid_out = self._host is not None and self._offsets == self._layout()
+        # the host copy holds the state as it is: nothing wrote it since the copy was made
+        current = laid_out and self._host_version == self.version
+        staged = not current and laid_out and self._out is not None and self._out[0] == self.version
+        copy_s = 0.0
+        if not current:
+            if not staged:
+                self._host_buffer()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._copies({"weights", "optimizer"}, out=True)
+                end.record()
+                self._out = (self.version, start, end)
+            _, start, end = self._out
+            end.synchronize()
+            copy_s = start.elapsed_time(end) / 1e3
+            self._host_version = self.version
+        self._out = None
         self.saver.pause(STATE_TAG)
         self.saver.pause(GRADS_TAG)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         self.paused = True
-        self._host_copy = self.retains_host_copy and bool(self.saver.retain_cpu_backup)
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
-        out = _figures(held[STATE_TAG] + held[GRADS_TAG], held[STATE_TAG], seconds)
+        out = _figures(held[STATE_TAG] + held[GRADS_TAG], held[STATE_TAG], seconds, copy_s)
         out["device_freed_bytes"] = float(free_after - free_before)
+        out["overlapped"] = float(staged)  # the copy started before the sync (stage_out)
+        out["unchanged"] = float(current)  # nothing to copy: the host copy was current
+        if current:
+            out["copied_bytes"] = 0.0
         return out
 
     def resume(self) -> dict[str, float]:
         """Map the regions' memory again at the same addresses, copy the state back and zero
-        the gradient buffers."""
+        the gradient buffers. With `overlap` the optimizer state's copy runs on the side stream
+        after the weights' and is left in flight: `before_optimizer_step` waits for it."""
         if not self.paused:
-            return _figures(0, 0, 0.0, already=True)
+            return _figures(0, 0, 0.0, 0.0, already=True)
         held = self.held_bytes()
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         self.saver.resume(STATE_TAG)
         self.saver.resume(GRADS_TAG)
-        torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
         self.paused = False
-        for h in self._held():
-            if not h.keep and h.tensor is not None and h.tensor.device.type == "cuda":
-                h.tensor.zero_()
-        return _figures(held[STATE_TAG] + held[GRADS_TAG], held[STATE_TAG], seconds)
+        storages = {k: g[0] for k, g in self._groups().items()}
+        cur = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(cur)
+        self._copies({"weights"} if self.overlap else {"weights", "optimizer"}, out=False, storages=storages)
+        for key, (tag, _, _) in self._placed.items():
+            if tag == GRADS_TAG:
+                _bytes_view(storages[key]).zero_()
+        end.record(cur)
+        later = 0
+        if self.overlap:
+            side = self._side()
+            side.wait_stream(cur)
+            s2, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(side):
+                s2.record()
+                later = self._copies({"optimizer"}, out=False, storages=storages)
+                e2.record()
+            self._in = (s2, e2) if later else None
+        end.synchronize()
+        seconds = time.perf_counter() - t0
+        out = _figures(held[STATE_TAG] + held[GRADS_TAG], held[STATE_TAG] - later, seconds,
+                       start.elapsed_time(end) / 1e3)
+        out["overlapped_bytes"] = float(later)
+        return out
 
 
 def release_host_memory() -> None:
@@ -314,12 +524,15 @@ def release_host_memory() -> None:
         pass
 
 
-def _figures(total: int, copied: int, seconds: float, *, already: bool = False) -> dict[str, float]:
+def _figures(total: int, copied: int, seconds: float, copy_seconds: float, *,
+             already: bool = False) -> dict[str, float]:
     """bytes: device bytes of the trainer's state that left (or came back); copied_bytes: the
-    part with a host copy (the gradients have none); gb_per_s: copied bytes per second
-    (1 GB = 1e9 bytes) over the pause or resume alone."""
-    return {"bytes": float(total), "copied_bytes": float(copied), "seconds": seconds,
-            "gb_per_s": copied / seconds / 1e9 if seconds > 0 else 0.0, "already": float(already)}
+    part copied within the move (the gradients have no copy; an overlapped copy in is left out,
+    `overlapped_bytes`); seconds: the move's host time; copy_seconds: the copies' own length
+    (CUDA events; a copy out made during the sync counts whole, though only its rest was
+    waited for); gb_per_s: copied bytes per second of copy_seconds (1 GB = 1e9 bytes)."""
+    return {"bytes": float(total), "copied_bytes": float(copied), "seconds": seconds, "copy_seconds": copy_seconds,
+            "gb_per_s": copied / copy_seconds / 1e9 if copy_seconds > 0 else 0.0, "already": float(already)}
 
 
 def init_optimizer_state(optimizer: Any) -> int:

@@ -332,9 +332,14 @@ class MegatronTrainer:
         if not compat.cuda_available():
             self.offload_off_reason = "this rank computes on the CPU: its state is in host memory already"
             return None
+        from ..config.memory import offload_split
         from .offload import DeviceStateOffload
 
-        return DeviceStateOffload(self._device_state, compat.device())
+        split = offload_split(self.cfg)
+        return DeviceStateOffload(self._device_state, compat.device(),
+                                  resident_weights=split.part("weights") > 0,
+                                  resident_optimizer_bytes=split.part("optimizer state"),
+                                  overlap=self.cfg.trainer.offload_overlap)
 
     def _device_state(self) -> list[Any]:
         """What leaves the GPU with `offload`: the parameters (of the reference model too),
@@ -352,7 +357,7 @@ class MegatronTrainer:
             held.extend(Held(p, keep=True, fixed=True) for p in chunk.parameters())
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None:
-            held.extend(Held(t, keep=True) for t in optimizer_tensors(optimizer))
+            held.extend(Held(t, keep=True, optimizer=True) for t in optimizer_tensors(optimizer))
         return held
 
     # ------------------------------------------------------------------ device memory
@@ -392,6 +397,27 @@ class MegatronTrainer:
         if self._offload is None:
             return {"bytes": 0.0, "seconds": 0.0}
         return self._offload.drop_host_copy()
+
+    def stage_offload(self) -> dict[str, Any]:
+        """Start copying the state that the next `offload` moves to the host, on a side stream
+        (`trainer.offload_overlap`; the loop calls this as it heads for the weight sync, which
+        only reads the weights): the offload then waits for what is left of the copy. Returns
+        the bytes it started copying (0 where nothing moves or overlap is off)."""
+        if self._offload is None:
+            return {"bytes": 0.0}
+        return self._offload.stage_out()
+
+    def settle_offload(self) -> None:
+        """Wait for the optimizer state's overlapped copy back (before anything but the
+        optimizer step reads or writes the state: a checkpoint's save or load)."""
+        if self._offload is not None:
+            self._offload.settle()
+
+    def state_written(self) -> None:
+        """The state was written outside an optimizer step (a checkpoint's load, the reference
+        set to the policy): a copy out made before is stale."""
+        if self._offload is not None:
+            self._offload.changed()
 
     def onload(self) -> dict[str, Any]:
         """Bring back what `offload` freed, at the same addresses; returns the same figures."""
@@ -517,6 +543,7 @@ class MegatronTrainer:
                 for name, p in ref.named_parameters():
                     p.copy_(policy[name])
         self.reference = "warmup"
+        self.state_written()
 
     def load_scheduler_state(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's learning-rate schedule (the warm-up's or RL's, whichever was
@@ -638,8 +665,12 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             outputs = self._run(self.model, mbs, loss_fn, forward_only=False)
         with record_function("vlmrl.optimizer_step"):
+            if self._offload is not None:  # the optimizer state may still be on its way back (offload_overlap)
+                self._offload.before_optimizer_step()
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
+            if self._offload is not None:
+                self._offload.changed()
         self.steps += 1
 
         with record_function("vlmrl.metrics"):
@@ -649,6 +680,8 @@ class MegatronTrainer:
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         out["update_skipped"] = float(not ok)
         out.update(micro_batch_metrics(mbs))
+        if self._offload is not None:
+            out.update(self._offload.overlap_figures())
         return out
 
     def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
