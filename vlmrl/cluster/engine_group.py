@@ -70,7 +70,8 @@ class EngineGroup:
                 host=engine_bind_host(cfg), api_key=self.key, return_routed_experts=returns_routed_experts(cfg),
                 batch_requests=engine_batch_requests(cfg)))
             print(f"SGLang {self.sglang.version}: {len(self.sglang.engines)} engine(s) at "
-                  f"{', '.join(e.base_url for e in self.sglang.engines)}")
+                  f"{', '.join(e.base_url for e in self.sglang.engines)}, healthy "
+                  f"{', '.join(f'{t:.1f}' for t in self.sglang.start_seconds)} s after launch")
             self.generation = list(self.sglang.generation)  # the router when there is one
             self.admin = list(self.sglang.engines)
             self.sync_targets = [e.base_url for e in self.sglang.engines]

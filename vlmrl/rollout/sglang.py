@@ -40,6 +40,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +237,7 @@ class SGLangServerActor:
         self.args: dict[str, Any] = {}
         self.flags_version: str | None = None
         self.process: ManagedProcess | None = None
+        self.started_at = time.monotonic()  # the last launch (`start`)
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, **SERVER_ENV, **self.extra_env}
@@ -281,19 +283,23 @@ class SGLangServerActor:
         cmd = server_command(self.args, flags=load_flags(self.flags_version), python=self.python)
         log.info("starting SGLang on GPUs %s: %s", self.devices, " ".join(redact(cmd)))
         self.process = ManagedProcess(cmd, env=self._env(), log_path=self.log_path)
+        self.started_at = time.monotonic()
         self.process.start()
         return self.url()
 
     def url(self) -> str:
         return f"http://{self.args['host']}:{self.args['port']}"
 
-    async def wait_healthy(self, timeout_s: float) -> None:
+    async def wait_healthy(self, timeout_s: float) -> float:
+        """Wait until the server answers /health; returns the seconds from its launch (`start`)
+        to then (polled every 0.5 s)."""
         from .client import HTTPEngine
 
         client = HTTPEngine(self.url(), max_retries=0, api_key=self.args.get("api_key"))
         try:
-            await client.wait_healthy(timeout_s, poll_s=2.0, is_alive=lambda: self.process is not None
+            await client.wait_healthy(timeout_s, poll_s=0.5, is_alive=lambda: self.process is not None
                                       and self.process.alive())
+            return time.monotonic() - self.started_at
         except Exception as e:
             raise RuntimeError(f"SGLang server on GPUs {list(self.devices)} did not become healthy: {e}\n"
                                f"--- the end of its log ({self.log_path}) ---\n{self.tail()}") from e
@@ -326,6 +332,7 @@ class SGLangEngines:
     router: ManagedProcess | None = None
     router_url: str | None = None
     generation: list[Any] = field(default_factory=list)
+    start_seconds: list[float] = field(default_factory=list)  # each server's launch to its first healthy answer
 
     async def shutdown(self) -> None:
         import ray
@@ -442,7 +449,7 @@ async def launch_sglang_engines(
             starts.append(actor.start.remote(args, version))
         urls = await _within(asyncio.gather(*starts), timeout, "the SGLang servers did not start")
         # wait_healthy bounds itself and quotes the server's log when it fails
-        await asyncio.gather(*(a.wait_healthy.remote(timeout) for a in actors))
+        out.start_seconds = list(await asyncio.gather(*(a.wait_healthy.remote(timeout) for a in actors)))
         common = dict(max_concurrency=max(1, rollout.max_in_flight), timeout_s=rollout.request_timeout_s,
                       max_retries=rollout.max_retries, tensor_format="ipc" if colocate else None,
                       tp_size=rollout.gpus_per_engine, drain_timeout_s=sg.drain_timeout_s, api_key=api_key)
