@@ -131,6 +131,42 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def storage_kind(keep: bool, fixed: bool, optimizer: bool) -> str:
+    """What a held storage is for the offload: "grads" (no copy kept), "optimizer" (read by the
+    optimizer step alone: its copy back may overlap the backward) or "weights" (everything
+    else that is kept: parameters, their buffers, a parameter the optimizer updates in place)."""
+    if not keep:
+        return "grads"
+    return "optimizer" if optimizer and not fixed else "weights"
+
+
+def choose_resident(storages: Iterable[tuple[int, int, str]], *, resident_weights: bool,
+                    optimizer_budget: float, optimizer_kept: float = 0.0) -> set[int]:
+    """Which of `storages` ((key, bytes, kind), in the trainer's order) stay on the device while
+    the engines generate: every weights storage where `resident_weights`, and optimizer
+    storages in order while their bytes, with `optimizer_kept` already resident, stay within
+    `optimizer_budget` (a storage that does not fit moves; later, smaller ones may still fit).
+    Gradients never stay."""
+    out, kept = set(), float(optimizer_kept)
+    for key, n, kind in storages:
+        if kind == "weights" and resident_weights:
+            out.add(key)
+        elif kind == "optimizer" and kept + n <= optimizer_budget:
+            out.add(key)
+            kept += n
+    return out
+
+
+def host_layout(storages: Iterable[tuple[int, int]], align: int = 512) -> tuple[dict[int, int], int]:
+    """Offsets of the moved storages ((key, bytes)) in one host buffer, each `align`-byte
+    aligned, and the buffer's size."""
+    out, total = {}, 0
+    for key, n in storages:
+        out[key] = total
+        total += -(-n // align) * align
+    return out, total
+
+
 class DeviceStateOffload:
     """Places a trainer rank's device state in torch_memory_saver regions and pauses /
     resumes them. `held` lists what goes (it is called again at every pause, so state that
@@ -199,19 +235,18 @@ class DeviceStateOffload:
         the number of storages and bytes moved. After `finish_build`, a fixed storage outside
         the regions is an error (its old address may be in compiled CUDA graphs)."""
         moved = moved_bytes = 0
-        kept_optimizer = sum(n for n, what in self._resident.values() if what == "optimizer")
-        for key, (s, keep, fixed, opt) in self._groups().items():
-            if key in self._placed or key in self._resident:
-                continue
-            what = "grads" if not keep else "optimizer" if opt and not fixed else "weights"
+        new = {key: (g[0], storage_kind(*g[1:]), g[2]) for key, g in self._groups().items()
+               if key not in self._placed and key not in self._resident}
+        stay = choose_resident(((k, s.nbytes(), kind) for k, (s, kind, _) in new.items()),
+                               resident_weights=self.resident_weights and not self._built,
+                               optimizer_budget=self.resident_optimizer_bytes,
+                               optimizer_kept=self.resident_bytes()["optimizer"])
+        for key, (s, what, fixed) in new.items():
             n = s.nbytes()
-            if what == "weights" and self.resident_weights and not self._built:
+            if key in stay:
                 self._resident[key] = (n, what)
                 continue
-            if what == "optimizer" and kept_optimizer + n <= self.resident_optimizer_bytes:
-                self._resident[key] = (n, what)
-                kept_optimizer += n
-                continue
+            keep = what != "grads"
             if fixed and self._built:
                 raise RuntimeError(
                     f"trainer.offload: a parameter's storage ({n} bytes at {key:#x}) is not where the "
@@ -244,12 +279,7 @@ class DeviceStateOffload:
     # ------------------------------------------------------------------ the host copy
     def _layout(self) -> dict[int, int]:
         """Each moved storage's offset in the host copy (512-byte aligned), by data pointer."""
-        out, total = {}, 0
-        for key, (tag, n, _) in self._placed.items():
-            if tag == STATE_TAG:
-                out[key] = total
-                total += -(-n // 512) * 512
-        return out
+        return host_layout((k, n) for k, (tag, n, _) in self._placed.items() if tag == STATE_TAG)[0]
 
     def _host_buffer(self) -> torch.Tensor:
         """The pinned host copy, laid out for the storages placed now: allocated where it is
@@ -260,7 +290,7 @@ class DeviceStateOffload:
         if self._host is not None and layout == self._offsets:
             return self._host
         self._free_host()
-        total = max((off + -(-self._placed[k][1] // 512) * 512 for k, off in layout.items()), default=0)
+        _, total = host_layout((k, n) for k, (tag, n, _) in self._placed.items() if tag == STATE_TAG)
         host = torch.empty(max(total, 1), dtype=torch.uint8)
         if total:
             err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), total, 0)
