@@ -516,6 +516,8 @@ def offload_split(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> Offloa
     t = cfg.trainer
     if t.resident_gib is not None:
         budget = float(t.resident_gib) * GIB
+    elif not cfg.cluster.colocate:  # offload asked for on GPUs of the trainer's own: it frees them whole
+        budget = 0.0
     else:
         rollout = next(ph for ph in phase_memory(cfg, mem, split=OffloadSplit((), tuple(parts), mem.grads, 0.0))
                        if ph.phase == "rollout")
