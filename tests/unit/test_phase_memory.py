@@ -486,7 +486,8 @@ def test_the_recipe_needs_at_most_1000_gib_of_host_memory_per_node():
     gathered fp32 state beside the pinned copies), 1358.3 GiB even with the copies freed first. With dp_reshardable the run
     needs under 1000 GiB in every phase, the processes' own memory included: the save or load
     frees the pinned copies first where the node lacks room for both (beside them it takes 1051.6
-    GiB). The plan prints both figures per node."""
+    GiB with everything copied, 902.4 GiB with what fits kept on the GPUs, the default). The plan
+    prints both figures per node."""
     cfg = _cfg("experiment=geo3k_qwen35", "trainer.resident_gib=0")
     node = host_bytes_per_node(cfg)
     assert trainer_ranks_per_node(cfg) == 8 and engine_gpus_per_node(cfg) == 8
