@@ -221,21 +221,27 @@ def test_colocated_loop_order(tmp_path, cache_dir, monkeypatch):
     syncs it the trainer's weights before it generates again, so every later sample still
     matches the trainer's logprobs; the restart is counted."""
     from vlmrl.config import load
+    from vlmrl.config.memory import trainer_offload
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
     from vlmrl.rollout.faults import KILL_ENGINE_ON_RELEASE_ENV
 
     marker = tmp_path / "killed-in-release"
     monkeypatch.setenv(KILL_ENGINE_ON_RELEASE_ENV, f"2:{marker}")
+    # trainer.offload=true: the loop makes every trainer move of a GPU run (the copy out staged
+    # before the sync, offload, onload) through the Ray workers; a CPU rank answers "off"
     cfg = load([f"run_dir={tmp_path / 'run'}", f"model.cache_dir={cache_dir}", *SHORT, "save_hf=false",
-                "cluster.colocate=true"], check_rules=False)
-    assert cfg.cluster.colocate
+                "cluster.colocate=true", "trainer.offload=true"], check_rules=False)
+    assert cfg.cluster.colocate and trainer_offload(cfg)
     summary = train(cfg)
     assert marker.exists()  # the engine did die in a release
     assert summary["rl_steps"] == 2
     rl = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
     assert sum(r["rollout/engine_restarts"] for r in rl) == 1, rl
+    # every step moved the trainer: out after the sync (its copy staged before it), in for training
+    assert all(r["perf/offload_time"] > 0 and r["perf/onload_time"] > 0 and r["perf/offload_stage_time"] > 0
+               for r in rl), rl
 
 
 RECIPE_ON_CPU = ["experiment=geo3k_qwen35", "model=tiny_qwen3_5_moe", "hardware=cpu", "rollout=embedded",
