@@ -184,9 +184,10 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
                f"{_gib(split.budget)}")
         kept = ", ".join(f"{name} {_gib(b)}" for name, b in split.resident) or "nothing"
         moved = ", ".join(f"{name} {_gib(b)}" for name, b in split.moved) or "nothing"
-        console.print(f"  while the engines generate, each trainer GPU keeps {kept} ({why}); moves {moved} to "
-                      f"pinned host memory ({_gib(host * len(compute_layout(cfg).trainer_devices))} for all trainer "
-                      f"GPUs) and back; drops its gradients ({_gib(split.dropped)}) without a copy")
+        moves = (f"moves {moved} to pinned host memory ({_gib(host * len(compute_layout(cfg).trainer_devices))} "
+                 "for all trainer GPUs) and back" if split.moved else "moves nothing")
+        console.print(f"  while the engines generate, each trainer GPU keeps {kept} ({why}); {moves}; drops its "
+                      f"gradients ({_gib(split.dropped)}) without a copy")
         if split.part("optimizer state", "moved") and t.offload_overlap:
             weights = " (the weights that move: within the offload and the onload)" if split.part("weights", "moved") else ""
             console.print("  the optimizer state that moves comes back while the forward and backward run and leaves "
