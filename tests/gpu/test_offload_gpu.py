@@ -143,8 +143,8 @@ def test_offloaded_trainer_trains_as_one_that_never_left(tiny_config, tiny_check
             assert bool(mv["out"]["overlapped"]) == (name != "offload"), (name, mv["out"])
             assert (mv["in"]["overlapped_bytes"] > 0) == (name != "offload"), (name, mv["in"])
             assert bool(a["overlap"][2 + i]) == (name != "offload")
-        if name == "resident":
-            assert a["resident"]["weights"] == a["weights_bytes"] and 0 < a["resident"]["optimizer"] < a["optimizer_bytes"]
+        if name == "resident":  # the policy's weights (and the KL reference's) stay, part of the optimizer state
+            assert a["resident"]["weights"] >= a["weights_bytes"] and 0 < a["resident"]["optimizer"] < a["optimizer_bytes"]
 
     def worst(x, y):
         m = max(abs(p - q) for u, v in zip(x["metrics"], y["metrics"]) for p, q in zip(u, v))
