@@ -122,10 +122,6 @@ def _release_at_exit(saver: Any) -> None:
         cdll.tms_set_interesting_region(True)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """The whole storage as one uint8 tensor (shares its memory)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
