@@ -226,12 +226,14 @@ class DeviceStateOffload:
                 groups[key] = (s, h.keep or old[1], h.fixed or old[2], h.optimizer and old[3])
         return groups
 
-    def adopt(self) -> dict[str, int]:
-        """Place every held storage that is not in its region yet (or left resident); returns
-        the number of storages and bytes moved. After `finish_build`, a fixed storage outside
-        the regions is an error (its old address may be in compiled CUDA graphs)."""
+    def adopt(self, groups: dict[int, tuple[torch.UntypedStorage, bool, bool, bool]] | None = None) -> dict[str, int]:
+        """Place every held storage (of `groups`, by default `_groups()`) that is not in its
+        region yet (or left resident); returns the number of storages and bytes moved. After
+        `finish_build`, a fixed storage outside the regions is an error (its old address may be
+        in compiled CUDA graphs)."""
         moved = moved_bytes = 0
-        new = {key: (g[0], storage_kind(*g[1:]), g[2]) for key, g in self._groups().items()
+        groups = self._groups() if groups is None else groups
+        new = {key: (g[0], storage_kind(*g[1:]), g[2]) for key, g in groups.items()
                if key not in self._placed and key not in self._resident}
         stay = choose_resident(((k, s.nbytes(), kind) for k, (s, kind, _) in new.items()),
                                resident_weights=self.resident_weights and not self._built,
@@ -252,8 +254,8 @@ class DeviceStateOffload:
             self._placed[s.data_ptr()] = (STATE_TAG if keep else GRADS_TAG, n, what)
             moved += 1
             moved_bytes += n
-        # placements free the old blocks into torch's cache: give them back to the device
-        torch.cuda.empty_cache()
+        if moved:  # placements free the old blocks into torch's cache: give them back to the device
+            torch.cuda.empty_cache()
         return {"storages": moved, "bytes": moved_bytes}
 
     def _place(self, storage: torch.UntypedStorage, tag: str, keep: bool) -> None:
@@ -310,8 +312,7 @@ class DeviceStateOffload:
         if self.paused:
             return 0.0
         t0 = time.perf_counter()
-        self._prune()
-        self.adopt()
+        self._refresh()
         self._host_buffer()
         return time.perf_counter() - t0
 
@@ -347,9 +348,9 @@ class DeviceStateOffload:
             out[what] += n
         return out
 
-    def _prune(self) -> None:
+    def _prune(self, groups: dict[int, Any]) -> None:
         """Forget storages that are no longer held (replaced optimizer state)."""
-        live = set(self._groups())
+        live = set(groups)
         for d in (self._placed, self._resident):
             for key in [k for k in d if k not in live]:
                 del d[key]
@@ -360,11 +361,24 @@ class DeviceStateOffload:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def _copies(self, what: set[str], out: bool, storages: dict[int, Any] | None = None) -> int:
+    def _refresh(self) -> dict[int, Any]:
+        """Forget what is no longer held and place what is new; returns the held storages by
+        data pointer (one pass over the held tensors, two where something was placed)."""
+        groups = self._groups()
+        self._prune(groups)
+        if self.adopt(groups)["storages"]:
+            groups = self._groups()
+        return {k: g[0] for k, g in groups.items()}
+
+    def _host_current(self) -> bool:
+        """The host copy is laid out for the placed storages and holds the state as it is (nothing
+        wrote the state since the copy was made)."""
+        return self._host is not None and self._offsets == self._layout() and self._host_version == self.version
+
+    def _copies(self, what: set[str], out: bool, storages: dict[int, Any]) -> int:
         """Enqueue the copies of the moved storages of kinds `what` on the current stream,
         between the device and the host copy; returns the bytes."""
         host = self._host_buffer()
-        storages = storages if storages is not None else {k: g[0] for k, g in self._groups().items()}
         n = 0
         for key, off in self._offsets.items():
             tag, size, kind = self._placed[key]
@@ -385,10 +399,9 @@ class DeviceStateOffload:
         `overlap`, while paused, or where nothing moves."""
         if not self.overlap or self.paused or not any(t == STATE_TAG for t, _, _ in self._placed.values()):
             return {"bytes": 0.0}
-        self._prune()
-        self.adopt()
-        if self._host is not None and self._offsets == self._layout() and self._host_version == self.version:
-            return {"bytes": 0.0}  # the host copy is current already
+        storages = self._refresh()
+        if self._host_current():
+            return {"bytes": 0.0}
         self._settle_in()
         self._host_buffer()
         side = self._side()
@@ -396,7 +409,7 @@ class DeviceStateOffload:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(side):
             start.record()
-            n = self._copies({"weights", "optimizer"}, out=True)
+            n = self._copies({"weights", "optimizer"}, out=True, storages=storages)
             end.record()
         self._out = (self.version, start, end)
         return {"bytes": float(n)}
@@ -452,16 +465,14 @@ class DeviceStateOffload:
         everything else to the device."""
         if self.paused:
             return _figures(0, 0, 0.0, 0.0, already=True)
-        self._prune()
-        self.adopt()
+        storages = self._refresh()
         held = self.held_bytes()
         self._settle_in()
         torch.cuda.synchronize(self.device)
         free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
         laid_out = self._host is not None and self._offsets == self._layout()
-        # the host copy holds the state as it is: nothing wrote it since the copy was made
-        current = laid_out and self._host_version == self.version
+        current = self._host_current()
         staged = not current and laid_out and self._out is not None and self._out[0] == self.version
         copy_s = 0.0
         if not current:
@@ -469,7 +480,7 @@ class DeviceStateOffload:
                 self._host_buffer()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                self._copies({"weights", "optimizer"}, out=True)
+                self._copies({"weights", "optimizer"}, out=True, storages=storages)
                 end.record()
                 self._out = (self.version, start, end)
             _, start, end = self._out
