@@ -501,6 +501,18 @@ class OffloadSplit:
         return sum(b for n, b in getattr(self, where) if n == name)
 
 
+def _offload_parts(cfg: VlmrlConfig, mem: MemoryEstimate) -> tuple[tuple[str, float], ...]:
+    """The trainer state an offload may move, in the order it stays: the weights (the KL term's
+    reference model with the policy's: the trainer holds both as parameters it never moves once
+    built), then the optimizer state."""
+    return (("weights", mem.params * (2 if cfg.algo.uses_reference else 1)), ("optimizer state", mem.optimizer))
+
+
+def nothing_kept(cfg: VlmrlConfig, mem: MemoryEstimate) -> OffloadSplit:
+    """The split that keeps nothing on the GPU (the rollout phase before anything stays)."""
+    return OffloadSplit((), _offload_parts(cfg, mem), mem.grads, 0.0)
+
+
 def offload_split(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> OffloadSplit:
     """The trainer's state split by where it spends the rollout (`OffloadSplit`). Without
     offload everything is resident. With it, `trainer.resident_gib` bytes may stay, or where
@@ -508,19 +520,16 @@ def offload_split(cfg: VlmrlConfig, mem: MemoryEstimate | None = None) -> Offloa
     budget less the rollout phase with nothing kept (the engines' peak, the trainer's process,
     communicators and CUDA graph pools)."""
     mem = mem or estimate_memory(cfg)
-    # the KL term's reference model stays or moves with the policy's weights (the trainer
-    # holds both as parameters it never moves once built)
-    parts = [("weights", mem.params * (2 if cfg.algo.uses_reference else 1)), ("optimizer state", mem.optimizer)]
+    parts = _offload_parts(cfg, mem)
     if cfg.hardware.device != "cuda" or not trainer_offload(cfg):
-        return OffloadSplit(tuple(parts), (), 0.0, float("inf"))
+        return OffloadSplit(parts, (), 0.0, float("inf"))
     t = cfg.trainer
     if t.resident_gib is not None:
         budget = float(t.resident_gib) * GIB
     elif not cfg.cluster.colocate:  # offload asked for on GPUs of the trainer's own: it frees them whole
         budget = 0.0
     else:
-        rollout = next(ph for ph in phase_memory(cfg, mem, split=OffloadSplit((), tuple(parts), mem.grads, 0.0))
-                       if ph.phase == "rollout")
+        rollout = next(ph for ph in phase_memory(cfg, mem, split=nothing_kept(cfg, mem)) if ph.phase == "rollout")
         budget = max(t.resident_budget * cfg.hardware.gpu_memory_gb * GIB - rollout.total, 0.0)
     resident, moved, left = [], [], budget
     for name, b in parts:
@@ -798,8 +807,8 @@ def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = 0.9, granular
         mem = estimate_memory(trial)
         # the offloaded trainer's resident state fills what the rollout leaves of its own budget
         # (`offload_split`): count the rollout with nothing kept, so that it bounds no micro-batch
-        split = OffloadSplit((), (("state", mem.params + mem.optimizer),), mem.grads, 0.0)
-        return max(ph.total for ph in phase_memory(trial, mem, split=split if trainer_offload(trial) else None))
+        split = nothing_kept(trial, mem) if trainer_offload(trial) else None
+        return max(ph.total for ph in phase_memory(trial, mem, split=split))
 
     lo, hi = 0, limit // granularity  # in units of granularity; the peak grows with the tokens
     while lo < hi:
