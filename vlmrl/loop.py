@@ -354,11 +354,11 @@ class Loop:
             # engines launch and the driver loads its processor, data, reward workers and
             # logger. Colocated engines start first (SGLang sizes its KV cache from the free
             # memory it finds), then give all of it back while the trainer builds its model
-            # and optimizer.
+            # and optimizer (engines that stay, cluster.release_engines=false, keep it).
             if cfg.cluster.colocate:
                 self._start_engines()
                 self.weights.colo = Colocation(release=self.engine_group.release, resume=self.engine_group.resume,
-                                               offload=trainer_offload(cfg))
+                                               offload=trainer_offload(cfg), stay=not cfg.cluster.release_engines)
                 self.weights.colo.to("train")
             self.trainer = TrainerGroup(cfg, self.model_path, total_steps=total, placement=self.placement,
                                         wait=False)  # returns once the ranks are requested
@@ -376,7 +376,7 @@ class Loop:
             if resume is not None:
                 self._restore(resume)
                 self._sync_weights(f"resume-{resume_step}")
-            elif self.weights.colo is not None:  # the engines gave their weights up while the trainer built
+            elif self.weights.colo is not None and self.weights.colo.weights_stale:  # given up while it built
                 self._sync_weights("init")
             if cfg.algo.name == "sft":
                 self.sft(cfg.num_steps)

@@ -19,9 +19,11 @@ from .config.memory import (
     GIB,
     checkpoint_host_bytes,
     count_params,
+    engines_stay,
     estimate_memory,
     host_bytes_per_node,
     largest_micro_batch_tokens,
+    largest_staying_pool,
     offload_host_bytes,
     offload_split,
     phase_memory,
@@ -138,9 +140,13 @@ def render_plan(cfg: VlmrlConfig) -> str:
                       f"QKV weights and all-gathers their projections, then keeps its KV group "
                       f"({p.tp // lm.num_query_groups} ranks per group) and its {lm.num_attention_heads // p.tp} "
                       f"query heads: {_gib(mem.qkv_gather)} of gathered projections in the activations")
-    if total_dev and cfg.cluster.colocate and mem.rollout_pool:
+    if total_dev and cfg.cluster.colocate and engines_stay(cfg):
+        console.print("  colocated, the engines staying (cluster.release_engines=false): their pool and the trainer's "
+                      "whole state share each GPU through the step; nothing moves but the weights the sync sends")
+    elif total_dev and cfg.cluster.colocate and mem.rollout_pool:
         console.print("  colocated: engines release their pool while the trainer runs and resume it "
                       "after the weight sync; the two phases do not overlap")
+    _print_staying_pool(console, cfg)
     if total_dev and mem.train_total > 0.95 * total_dev:
         console.print(f"  [bold]warning[/]: the training phase needs about {_gib(mem.train_total)} "
                       f"of {_gib(total_dev)}")
@@ -148,6 +154,24 @@ def render_plan(cfg: VlmrlConfig) -> str:
     for note in config_notes(cfg):
         console.print(f"[bold]note[/] {note}")
     return out.getvalue()
+
+
+def _print_staying_pool(console: Any, cfg: VlmrlConfig) -> None:
+    """Colocated SGLang: the largest pool at which the engines could keep their memory through
+    the step, where one exists, and where the configured pool is larger than it."""
+    pool = largest_staying_pool(cfg)
+    if pool is None:
+        return
+    fraction = cfg.rollout.sglang.mem_fraction_static
+    fits = (f"rollout.sglang.mem_fraction_static={pool.mem_fraction_static:g} (its KV cache holds "
+            f"{pool.kv_tokens / 1e6:.2f}M tokens; a round's requests need at most {pool.kv_need / 1e6:.2f}M) every "
+            f"phase fits 90% of the GPU with the engines staying (peak {_gib(pool.peak)})")
+    if not engines_stay(cfg):
+        console.print(f"  the engines could stay: at {fits}; cluster.release_engines=false then moves nothing but "
+                      "the weights in a step")
+    elif fraction > pool.mem_fraction_static:
+        console.print(f"  [bold]warning[/]: mem_fraction_static={fraction:g} is too large for engines that stay: at most "
+                      f"{fits}")
 
 
 _WHERE = {"shared": "every GPU (shared)", "trainer": "trainer GPUs", "engine": "engine GPUs"}
@@ -161,7 +185,9 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
     if not phases:
         return
     total_dev = cfg.hardware.gpu_memory_gb * GIB
-    if cfg.cluster.colocate:
+    if cfg.cluster.colocate and engines_stay(cfg):
+        mode = "engines and trainer keep their memory through the step (cluster.release_engines=false)"
+    elif cfg.cluster.colocate:
         mode = ("trainer offloaded while the engines generate (trainer.offload)" if trainer_offload(cfg)
                 else "trainer stays on the GPUs while the engines generate (trainer.offload=false)")
     else:
@@ -215,7 +241,8 @@ def _print_phases(console: Any, cfg: VlmrlConfig, mem: Any) -> None:
     for ph in phases:
         if total_dev and ph.total > total_dev:
             hint = (" (trainer.offload=true moves the trainer's state off the GPUs while the engines generate)"
-                    if ph.phase == "rollout" and cfg.cluster.colocate and not trainer_offload(cfg) else "")
+                    if ph.phase == "rollout" and cfg.cluster.colocate and not trainer_offload(cfg)
+                    and not engines_stay(cfg) else "")
             console.print(f"  [bold]warning[/]: the {ph.phase} phase needs about {_gib(ph.total)} of "
                           f"{_gib(total_dev)} per GPU{hint}")
 

@@ -244,6 +244,29 @@ def test_colocated_loop_order(tmp_path, cache_dir, monkeypatch):
                for r in rl), rl
 
 
+def test_colocated_engines_that_stay_move_nothing(tmp_path, cache_dir):
+    """cluster.release_engines=false: the engines keep their memory and the trainer its state
+    through the step. No release, resume, offload or onload in any step, the engine never
+    restarted, and the weights it serves are the trainer's after each sync, written in place
+    (the embedded engine's samples match the trainer's logprobs). Driven on CPU as the test
+    above is, the config rules skipped."""
+    from vlmrl.config import load
+    from vlmrl.logging.metrics import read_metrics
+    from vlmrl.loop import train
+
+    short = [o for o in SHORT if not o.startswith(("num_steps=", "algo.sft_steps=", "save_hf="))]
+    cfg = load([f"run_dir={tmp_path / 'run'}", f"model.cache_dir={cache_dir}", *short, "num_steps=2",
+                "algo.sft_steps=1", "save_hf=false", "save_final=false", "cluster.colocate=true",
+                "cluster.release_engines=false"], check_rules=False)
+    summary = train(cfg)
+    assert summary["rl_steps"] == 2
+    rl = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
+    assert len(rl) == 2
+    for key in ("perf/engine_release_time", "perf/engine_resume_time", "perf/offload_time", "perf/onload_time"):
+        assert all(not r.get(key) for r in rl), (key, rl)
+    assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 and not r["rollout/engine_restarts"] for r in rl), rl
+
+
 RECIPE_ON_CPU = ["experiment=geo3k_qwen35", "model=tiny_qwen3_5_moe", "hardware=cpu", "rollout=embedded",
                  "data=synthetic", "cluster.num_gpus=0", "cluster.colocate=false", "cluster.num_cpu_ranks=2",
                  "rollout.num_gpus=0", "rollout.gpus_per_engine=1", "parallel.ep=2", "save_interval=2",

@@ -145,3 +145,31 @@ def test_generating_from_released_weights_is_refused_until_a_sync():
     colo.to("sync")  # e.g. for a checkpoint: the weights stay where they are
     assert ("release", ("kv_cache", "weights", "cuda_graph")) not in calls and not colo.weights_stale
     colo.to("generate")
+
+
+def test_engines_that_stay_move_nothing_in_a_step():
+    """cluster.release_engines=false: every phase is the same residency (engines hold every tag,
+    the trainer is on the GPU), so a step's phases call nothing and the engines' weights never
+    go stale; an offload beside them is refused (it would free nothing they use)."""
+    stay = {n: phase(n, offload=False, stay=True) for n in PHASES}
+    assert set(stay.values()) == {Residency(ALL_TAGS, trainer=True)}
+    for a, b in itertools.product(PHASES, PHASES):
+        assert plan(stay[a], stay[b]) == []
+    with pytest.raises(ValueError, match="no room to gain"):
+        phase("generate", offload=True, stay=True)
+
+    calls = []
+
+    class Trainer:
+        def __getattr__(self, name):  # any move of the trainer would be recorded
+            return lambda: calls.append((name,))
+
+    colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),
+                      stay=True)
+    colo.to("train")  # the run's start: the engines keep what they took
+    colo.trainer = Trainer()
+    colo.trainer_started()
+    for name in ("generate", "train", "sync", "generate", "sync", "train", "generate"):
+        colo.to(name)
+    assert calls == [] and colo.now == Residency(ALL_TAGS, trainer=True) and not colo.weights_stale
+    assert colo.take_seconds() == {}

@@ -23,12 +23,14 @@ from vlmrl.config.memory import (
     checkpoint_host_bytes,
     compare_phase_memory,
     count_params,
+    engines_stay,
     engine_gpus_per_node,
     engine_nccl_groups,
     engine_weight_bytes,
     estimate_memory,
     host_bytes_per_node,
     largest_micro_batch_tokens,
+    largest_staying_pool,
     measured_phase_peak,
     measured_phase_split,
     offload_config_problems,
@@ -38,6 +40,7 @@ from vlmrl.config.memory import (
     phase_estimates,
     phase_memory,
     phase_memory_metrics,
+    rollout_kv_need,
     sglang_kv_tokens,
     step_tokens_per_rank,
     trainer_nccl_groups,
@@ -686,3 +689,85 @@ def test_what_the_trainer_keeps_bounds_no_micro_batch():
         load([*SHARED, "trainer.resident_gib=-1"])
     with pytest.raises(ConfigError, match="trainer.resident_budget"):
         load([*SHARED, "trainer.resident_budget=1.5"])
+
+
+# --------------------------------------------------------------- engines that keep their memory
+def test_engines_that_stay_hold_everything_in_every_phase():
+    """cluster.release_engines=false: nothing is released or offloaded, so each phase holds the
+    engine's whole footprint (pool, process, the rest), the trainer's whole state and its
+    training activations, cached between steps; the sync adds its buckets."""
+    release = _phases(_cfg(*SHARED))
+    cfg = _cfg(*SHARED, "cluster.release_engines=false")
+    assert engines_stay(cfg) and not trainer_offload(cfg)  # trainer.offload=null: off beside engines that stay
+    assert offload_host_bytes(cfg, MEM) == 0
+    stay = _phases(cfg)
+    assert list(stay) == ["rollout", "logprob", "train", "sync"]
+    engine = release["rollout"].total - 1.5 * GIB  # the rollout with the trainer offloaded: engine + trainer process
+    trainer = (1 + 2 + 3 + 4 + 1.5) * GIB  # weights, gradients, optimizer state, activations, process
+    for name in ("rollout", "logprob", "train"):
+        assert stay[name].total == pytest.approx(engine + trainer), name
+    bucket = min(100 * 1024**2, engine_weight_bytes(cfg))
+    assert stay["sync"].total == pytest.approx(engine + trainer + 2 * bucket)
+    # the same parts as the release mode's train phase, with the engine generating beside them
+    assert stay["train"].total - release["train"].total == pytest.approx(0.5 * cfg.hardware.gpu_memory_gb * GIB)
+    assert "trainer activations (training micro-batch, cached between steps)" in dict(stay["rollout"].parts)
+    # split by holder as a measurement is: the engine's parts are the others'
+    split = phase_estimate_split(cfg)
+    assert split["rollout"]["trainer"] == pytest.approx(split["train"]["trainer"])
+    assert split["rollout"]["others"] == pytest.approx(engine - 0.0) and split["rollout"]["trainer"] > 0
+    # not colocated, or on CPU ranks, the key changes nothing
+    sep = ["hardware=h100", "rollout=sglang", "cluster.num_gpus=2", "rollout.num_gpus=1"]
+    assert not engines_stay(_cfg(*sep, "cluster.release_engines=false"))
+    assert _phases(_cfg(*sep, "cluster.release_engines=false")) == _phases(_cfg(*sep))
+    assert not engines_stay(_cfg("cluster.release_engines=false"))
+
+
+def test_offloading_beside_engines_that_stay_is_refused_by_name():
+    with pytest.raises(ConfigError, match="trainer.offload=true with cluster.release_engines=false"):
+        load([*SHARED, "cluster.release_engines=false", "trainer.offload=true"])
+    load([*SHARED, "cluster.release_engines=false"])  # offload null: accepted, off
+    load([*SHARED, "cluster.release_engines=false", "trainer.offload=false"])
+
+
+def test_the_largest_pool_at_which_engines_can_stay():
+    """The scaled H200 run: the largest mem_fraction_static at which every phase fits 90% of the
+    GPU with the engines staying, one step larger does not, and the pool holds a round's KV."""
+    cfg = _cfg(*H200_SCALED)
+    pool = largest_staying_pool(cfg)
+    assert pool is not None and 0 < pool.mem_fraction_static < cfg.rollout.sglang.mem_fraction_static
+    budget = 0.9 * cfg.hardware.gpu_memory_gb * GIB
+
+    def stay_peak(fraction: float) -> float:
+        trial = _cfg(*H200_SCALED, "cluster.release_engines=false", f"rollout.sglang.mem_fraction_static={fraction}")
+        return max(p.total for p in phase_memory(trial))
+
+    assert stay_peak(pool.mem_fraction_static) == pytest.approx(pool.peak) and pool.peak <= budget
+    assert stay_peak(round(pool.mem_fraction_static + 0.01, 2)) > budget
+    # a round: 8 prompts x 8 samples on the one engine, each at the longest sequence
+    assert pool.kv_need == rollout_kv_need(cfg) == 64 * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    assert pool.kv_tokens >= pool.kv_need
+    # at most rollout.max_in_flight requests at once
+    capped = _cfg(*H200_SCALED, "rollout.batch_size=100000", "rollout.max_in_flight=256")
+    assert rollout_kv_need(capped) == 256 * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    # a round larger than any pool that fits: no pool (the engines must release)
+    assert largest_staying_pool(_cfg(*H200_SCALED, "rollout.batch_size=100000", "rollout.max_in_flight=1000000")) is None
+    # only colocated SGLang on GPUs has a pool to size
+    assert largest_staying_pool(_cfg()) is None
+    assert largest_staying_pool(_cfg(*[o for o in SHARED if not o.startswith("rollout.sglang")],
+                                     "rollout=embedded")) is None
+
+
+def test_plan_says_when_the_engines_could_stay_and_when_their_pool_is_too_large():
+    def plan(*overrides: str) -> str:
+        return " ".join(render_plan(_cfg(*H200_SCALED, *overrides)).split())  # the console's wraps undone
+
+    text = plan()
+    pool = largest_staying_pool(_cfg(*H200_SCALED))
+    assert (f"the engines could stay: at rollout.sglang.mem_fraction_static={pool.mem_fraction_static:g}" in text
+            and "cluster.release_engines=false" in text)
+    stay = plan("cluster.release_engines=false")
+    assert "engines and trainer keep their memory through the step" in stay
+    assert "mem_fraction_static=0.7 is too large for engines that stay" in stay
+    fits = plan("cluster.release_engines=false", f"rollout.sglang.mem_fraction_static={pool.mem_fraction_static}")
+    assert "too large" not in fits and "warning" not in fits
+    assert "nothing moves but the weights the sync sends" in fits

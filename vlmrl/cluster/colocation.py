@@ -15,6 +15,9 @@ An engine whose process dies in a release or resume is restarted by the engine g
 makes it hold what the others hold; it comes back with the start checkpoint's weights, so the
 engines count as stale until the next sync, which the loop makes before they generate.
 
+With `cluster.release_engines=false` (`stay`) the engines keep everything and the trainer
+stays through every phase: a step moves nothing but the weights the sync sends.
+
 `plan(now, target)` is the pure part: the calls that move from one residency to another, the
 ones that free memory first (engine releases, the trainer's offload, and a trim: the trainer
 gives torch's cached free blocks back to the device where it stays while engines take memory),
@@ -56,10 +59,15 @@ PHASES: dict[str, Residency] = {
 RESUME_ORDER = ("weights", "cuda_graph", "kv_cache")
 
 
-def phase(name: str, *, offload: bool) -> Residency:
-    """The residency of phase `name`; without offload the trainer never leaves the GPU."""
+def phase(name: str, *, offload: bool, stay: bool = False) -> Residency:
+    """The residency of phase `name`; without offload the trainer never leaves the GPU, and
+    engines that `stay` never give anything back (the trainer then stays too)."""
     if name not in PHASES:
         raise ValueError(f"unknown phase {name!r}; phases: {sorted(PHASES)}")
+    if stay:
+        if offload:
+            raise ValueError("engines that keep their memory leave the trainer no room to gain by offloading")
+        return Residency(ALL_TAGS, trainer=True)
     r = PHASES[name]
     return r if offload else Residency(r.engine, trainer=True)
 
@@ -103,6 +111,7 @@ class Colocation:
     resume: Callable[[tuple[str, ...]], Any]
     trainer: Any = None  # TrainerGroup; None until it exists (its state is then on the GPU)
     offload: bool = False
+    stay: bool = False  # the engines keep their memory through the step (cluster.release_engines=false)
     now: Residency = field(default_factory=lambda: Residency(ALL_TAGS, trainer=False))
     seconds: dict[str, float] = field(default_factory=dict)
     moved_bytes: dict[str, float] = field(default_factory=dict)
@@ -115,7 +124,7 @@ class Colocation:
 
     def to(self, name: str) -> None:
         """Move to phase `name` (a no-op when already there)."""
-        target = phase(name, offload=self.offload)
+        target = phase(name, offload=self.offload, stay=self.stay)
         if self.trainer is None:  # the trainer has not started: only the engines move
             target = Residency(target.engine, trainer=self.now.trainer)
         if name == "generate" and self.weights_stale:

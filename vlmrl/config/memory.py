@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .layout import compute_layout, is_moe_model
+from .layout import compute_layout, engine_batch_requests, is_moe_model
 from .schema import LanguageModelConfig, VisionConfig, VlmrlConfig
 
 GIB = 1024**3
@@ -445,13 +445,21 @@ def estimate_memory(cfg: VlmrlConfig) -> MemoryEstimate:
 
 
 # --------------------------------------------------------------------------- offload
+def engines_stay(cfg: VlmrlConfig) -> bool:
+    """Whether colocated engines keep their memory through the whole step
+    (`cluster.release_engines=false` on GPUs): nothing is released, offloaded or resumed, and
+    every phase holds the engines' pool beside the trainer's whole state."""
+    return bool(cfg.cluster.colocate and not cfg.cluster.release_engines and cfg.hardware.device == "cuda")
+
+
 def trainer_offload(cfg: VlmrlConfig) -> bool:
     """Whether the trainer's weights, gradients and optimizer state leave the GPU while the
     engines generate: `trainer.offload`, and where that is null, exactly when the trainer
-    shares its GPUs with the engines (`cluster.colocate` on hardware with GPUs)."""
+    shares its GPUs with engines that release their memory while it trains (`cluster.colocate`
+    on hardware with GPUs, `cluster.release_engines`)."""
     if cfg.trainer.offload is not None:
         return bool(cfg.trainer.offload)
-    return bool(cfg.cluster.colocate and cfg.hardware.device == "cuda")
+    return bool(cfg.cluster.colocate and cfg.hardware.device == "cuda" and cfg.cluster.release_engines)
 
 
 def offload_config_problems(cfg: VlmrlConfig) -> list[str]:
@@ -464,6 +472,10 @@ def offload_config_problems(cfg: VlmrlConfig) -> list[str]:
         out.append(f"trainer.offload=true needs GPUs, and hardware.device={cfg.hardware.device!r} "
                    f"(hardware={cfg.hardware.name}): the trainer's state is in host memory already; "
                    "set trainer.offload=null (on exactly when colocated on GPUs) or false")
+    if t.offload and engines_stay(cfg):
+        out.append("trainer.offload=true with cluster.release_engines=false: the engines keep their pool through the "
+                   "step, so moving the trainer's state off the GPUs while they generate frees nothing they use; "
+                   "set trainer.offload=null (off then) or false, or cluster.release_engines=true")
     if t.resident_gib is not None and not t.resident_gib >= 0:
         out.append(f"trainer.resident_gib={t.resident_gib}: GiB of trainer state kept on each GPU while the engines "
                    "generate, 0 or more (null: what fits in trainer.resident_budget of the GPU)")
@@ -735,6 +747,12 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None,
     - save (only where a checkpoint's save gathers on the device, `checkpoint_device_bytes`):
       the trainer's state and the gather, the engines released.
 
+    Colocated with the engines staying (`cluster.release_engines=false`, `engines_stay`): every
+    phase holds the engines' whole footprint, the trainer's whole state and its training
+    activations, which torch keeps cached between steps (nothing trims them: nothing else takes
+    memory); the sync adds its buckets. The first step's logprob phase, before any training,
+    holds a forward's activations instead.
+
     Separate GPUs: "train" and "logprob" on the trainer's GPUs, "rollout" on the engines'.
     No phases on CPU ranks (empty list)."""
     if cfg.hardware.device != "cuda":
@@ -760,6 +778,14 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None,
                 PhaseMemory("logprob", "trainer", tuple(on_trainer + fwd_acts)),
                 PhaseMemory("train", "trainer", tuple(on_trainer + train_acts)),
                 *([PhaseMemory("save", "trainer", tuple(on_trainer + save_gather))] if gather else [])]
+    if engines_stay(cfg):
+        always = tuple(_engine_generating(cfg) + state + trainer_process + trainer_graphs
+                       + [(name.replace("training micro-batch", "training micro-batch, cached between steps"), b)
+                          for name, b in train_acts])
+        return [PhaseMemory("rollout", "shared", always), PhaseMemory("logprob", "shared", always),
+                PhaseMemory("train", "shared", always),
+                PhaseMemory("sync", "shared", always + tuple(sync_transient_bytes(cfg))),
+                *([PhaseMemory("save", "shared", always + tuple(save_gather))] if gather else [])]
     if offload:
         split = split or offload_split(cfg, mem)
         kept = [(f"trainer {name} kept on the GPU (trainer.resident_gib)", b) for name, b in split.resident]
@@ -776,6 +802,46 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None,
         *([PhaseMemory("save", "shared", tuple(state + trainer_process + trainer_graphs + save_gather + released_engine))]
           if gather else []),
     ]
+
+
+def rollout_kv_need(cfg: VlmrlConfig) -> int:
+    """KV-cache tokens one engine needs to hold every request of a step's round at once, each at
+    the longest sequence and sharing no prefix with the others (`engine_batch_requests` x
+    `sequence_length`): an upper bound, SGLang's radix cache shares each prompt's prefix."""
+    return engine_batch_requests(cfg) * sequence_length(cfg)
+
+
+@dataclass(frozen=True)
+class StayingPool:
+    """The largest SGLang pool at which colocated engines may keep their memory through the step
+    (`largest_staying_pool`)."""
+
+    mem_fraction_static: float
+    peak: float  # bytes: the highest phase's peak per GPU at that pool
+    kv_tokens: float  # what the pool's KV cache holds then
+    kv_need: int  # what a step's round may hold at most (`rollout_kv_need`)
+
+
+def largest_staying_pool(cfg: VlmrlConfig, fraction: float = 0.9, step: float = 0.01) -> StayingPool | None:
+    """The largest `rollout.sglang.mem_fraction_static` (a multiple of `step`) at which, with the
+    engines staying (`cluster.release_engines=false`), every phase of a colocated step fits in
+    `fraction` of the GPU and the pool still holds a whole round's KV cache (`rollout_kv_need`).
+    None where that pool does not exist, or the run is not colocated SGLang on GPUs."""
+    if not (cfg.cluster.colocate and cfg.rollout.name == "sglang" and cfg.hardware.device == "cuda"):
+        return None
+    budget, need = fraction * cfg.hardware.gpu_memory_gb * GIB, rollout_kv_need(cfg)
+    stay = replace(cfg, cluster=replace(cfg.cluster, release_engines=False),
+                   trainer=replace(cfg.trainer, offload=None))
+    mem = estimate_memory(stay)
+    for i in range(int(round(1 / step)) - 1, 0, -1):
+        trial = replace(stay, rollout=replace(stay.rollout, sglang=replace(stay.rollout.sglang,
+                                                                           mem_fraction_static=i * step)))
+        peak = max(ph.total for ph in phase_memory(trial, mem))
+        if peak > budget:
+            continue
+        kv = sglang_kv_tokens(trial)
+        return StayingPool(round(i * step, 6), peak, kv, need) if kv >= need else None
+    return None
 
 
 def step_tokens_per_rank(cfg: VlmrlConfig) -> int:

@@ -475,6 +475,12 @@ class ClusterConfig(Sealable):
     # On CPU: number of trainer processes (gloo ranks).
     num_cpu_ranks: int = 1
     colocate: bool = False  # trainer and rollout engines share GPUs
+    # colocated: the engines give their memory back while the trainer runs and take it back at
+    # the weight sync (true); false keeps the engines' pool and the trainer's whole state on the
+    # GPUs through the step, so that nothing moves but the weights (every phase must fit beside
+    # the pool: `python -m vlmrl.plan` says whether it does and the largest
+    # rollout.sglang.mem_fraction_static that would)
+    release_engines: bool = True
     trainer_gpus: int | None = None  # separate mode: GPUs for the trainer (rest: rollout)
     async_rollout: bool = False  # overlap the next rollout with training (one step off-policy)
     dashboard: bool = False
