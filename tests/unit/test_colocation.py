@@ -149,12 +149,20 @@ def test_generating_from_released_weights_is_refused_until_a_sync():
 
 def test_engines_that_stay_move_nothing_in_a_step():
     """cluster.release_engines=false: every phase is the same residency (engines hold every tag,
-    the trainer is on the GPU), so a step's phases call nothing and the engines' weights never
-    go stale; an offload beside them is refused (it would free nothing they use)."""
+    the trainer is on the GPU), so a step's phases call nothing but the trainer's trim when
+    training ends, and the engines' weights never go stale; an offload beside them is refused
+    (it would free nothing they use)."""
     stay = {n: phase(n, offload=False, stay=True) for n in PHASES}
     assert set(stay.values()) == {Residency(ALL_TAGS, trainer=True)}
     for a, b in itertools.product(PHASES, PHASES):
         assert plan(stay[a], stay[b]) == []
+        assert plan(stay[a], stay[b], after_training=True) == [("trim", ())]
+    # engines that release: after training the trim comes where it came before, once
+    for offload in (True, False):
+        train = phase("train", offload=offload)
+        for b in PHASES:
+            target = phase(b, offload=offload)
+            assert plan(train, target, after_training=b != "train") == plan(train, target), (offload, b)
     with pytest.raises(ValueError, match="no room to gain"):
         phase("generate", offload=True, stay=True)
 
@@ -167,9 +175,11 @@ def test_engines_that_stay_move_nothing_in_a_step():
     colo = Colocation(release=lambda t: calls.append(("release", t)), resume=lambda t: calls.append(("resume", t)),
                       stay=True)
     colo.to("train")  # the run's start: the engines keep what they took
+    assert calls == []
     colo.trainer = Trainer()
     colo.trainer_started()
-    for name in ("generate", "train", "sync", "generate", "sync", "train", "generate"):
+    for name in ("generate", "train", "train", "sync", "generate", "sync", "train", "generate"):
         colo.to(name)
-    assert calls == [] and colo.now == Residency(ALL_TAGS, trainer=True) and not colo.weights_stale
-    assert colo.take_seconds() == {}
+    # what the trainer's start and each training left cached goes back to the device, nothing else moves
+    assert calls == [("trim",)] * 3 and colo.now == Residency(ALL_TAGS, trainer=True) and not colo.weights_stale
+    assert set(colo.take_seconds()) == {"trim"}

@@ -694,8 +694,9 @@ def test_what_the_trainer_keeps_bounds_no_micro_batch():
 # --------------------------------------------------------------- engines that keep their memory
 def test_engines_that_stay_hold_everything_in_every_phase():
     """cluster.release_engines=false: nothing is released or offloaded, so each phase holds the
-    engine's whole footprint (pool, process, the rest), the trainer's whole state and its
-    training activations, cached between steps; the sync adds its buckets."""
+    engine's whole footprint (pool, process, the rest) and the trainer's whole state; logprob a
+    forward's activations, train a training micro-batch's (trimmed when training ends), the sync
+    its buckets."""
     release = _phases(_cfg(*SHARED))
     cfg = _cfg(*SHARED, "cluster.release_engines=false")
     assert engines_stay(cfg) and not trainer_offload(cfg)  # trainer.offload=null: off beside engines that stay
@@ -703,18 +704,21 @@ def test_engines_that_stay_hold_everything_in_every_phase():
     stay = _phases(cfg)
     assert list(stay) == ["rollout", "logprob", "train", "sync"]
     engine = release["rollout"].total - 1.5 * GIB  # the rollout with the trainer offloaded: engine + trainer process
-    trainer = (1 + 2 + 3 + 4 + 1.5) * GIB  # weights, gradients, optimizer state, activations, process
-    for name in ("rollout", "logprob", "train"):
-        assert stay[name].total == pytest.approx(engine + trainer), name
+    trainer = (1 + 2 + 3 + 1.5) * GIB  # weights, gradients, optimizer state, process
+    assert stay["rollout"].total == pytest.approx(engine + trainer)
+    assert stay["logprob"].total == pytest.approx(engine + trainer + 0.5 * GIB)
+    assert stay["train"].total == pytest.approx(engine + trainer + 4 * GIB)
     bucket = min(100 * 1024**2, engine_weight_bytes(cfg))
     assert stay["sync"].total == pytest.approx(engine + trainer + 2 * bucket)
-    # the same parts as the release mode's train phase, with the engine generating beside them
-    assert stay["train"].total - release["train"].total == pytest.approx(0.5 * cfg.hardware.gpu_memory_gb * GIB)
-    assert "trainer activations (training micro-batch, cached between steps)" in dict(stay["rollout"].parts)
+    # the release mode's logprob and train phases with the engine generating beside them
+    pool = 0.5 * cfg.hardware.gpu_memory_gb * GIB
+    for name in ("logprob", "train"):
+        assert stay[name].total - release[name].total == pytest.approx(pool), name
     # split by holder as a measurement is: the engine's parts are the others'
-    split = phase_estimate_split(cfg)
-    assert split["rollout"]["trainer"] == pytest.approx(split["train"]["trainer"])
-    assert split["rollout"]["others"] == pytest.approx(engine - 0.0) and split["rollout"]["trainer"] > 0
+    split, real = phase_estimate_split(cfg), _phases(cfg, estimate_memory(cfg))
+    for name in ("rollout", "train"):
+        assert split[name]["others"] == pytest.approx(engine), name
+        assert split[name]["trainer"] == pytest.approx(real[name].total - engine), name
     # not colocated, or on CPU ranks, the key changes nothing
     sep = ["hardware=h100", "rollout=sglang", "cluster.num_gpus=2", "rollout.num_gpus=1"]
     assert not engines_stay(_cfg(*sep, "cluster.release_engines=false"))

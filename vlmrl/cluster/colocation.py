@@ -16,7 +16,8 @@ makes it hold what the others hold; it comes back with the start checkpoint's we
 engines count as stale until the next sync, which the loop makes before they generate.
 
 With `cluster.release_engines=false` (`stay`) the engines keep everything and the trainer
-stays through every phase: a step moves nothing but the weights the sync sends.
+stays through every phase: a step moves nothing but the weights the sync sends, and the
+trainer trims its cached activations when training ends.
 
 `plan(now, target)` is the pure part: the calls that move from one residency to another, the
 ones that free memory first (engine releases, the trainer's offload, and a trim: the trainer
@@ -72,13 +73,15 @@ def phase(name: str, *, offload: bool, stay: bool = False) -> Residency:
     return r if offload else Residency(r.engine, trainer=True)
 
 
-def plan(now: Residency, target: Residency, *, leaves_next: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+def plan(now: Residency, target: Residency, *, leaves_next: bool = False,
+         after_training: bool = False) -> list[tuple[str, tuple[str, ...]]]:
     """The calls from `now` to `target`, in order: ("stage", ()), ("release", tags),
     ("offload", ()), ("trim", ()), ("onload", ()), ("resume", tags). Everything that frees
     memory comes before anything that takes it. A trim comes where the trainer stays on the GPU
     and engines take memory back (train -> sync; train -> generate without offload): what torch
     caches of the trainer's freed activations would otherwise sit beside the engines' weights
-    and KV cache. A stage comes first where the trainer stays but leaves at the phase after
+    and KV cache; and where it stays after training beside engines that kept everything
+    (`after_training`): the next phases hold no training activations. A stage comes first where the trainer stays but leaves at the phase after
     (`leaves_next`: train -> sync with offload): its state starts copying out while the engines
     resume and the sync runs, so that the offload after the sync waits only for the rest."""
     steps: list[tuple[str, tuple[str, ...]]] = []
@@ -90,7 +93,7 @@ def plan(now: Residency, target: Residency, *, leaves_next: bool = False) -> lis
         steps.append(("release", tuple(t for t in MEMORY_TAGS if t in release)))
     if now.trainer and not target.trainer:
         steps.append(("offload", ()))
-    if now.trainer and target.trainer and resume:
+    if now.trainer and target.trainer and (resume or after_training):
         steps.append(("trim", ()))
     if target.trainer and not now.trainer:
         steps.append(("onload", ()))
@@ -113,6 +116,7 @@ class Colocation:
     offload: bool = False
     stay: bool = False  # the engines keep their memory through the step (cluster.release_engines=false)
     now: Residency = field(default_factory=lambda: Residency(ALL_TAGS, trainer=False))
+    at: str | None = None  # the phase moved to last
     seconds: dict[str, float] = field(default_factory=dict)
     moved_bytes: dict[str, float] = field(default_factory=dict)
     # the engines' weights were released since the last sync, or an engine restarted in a move
@@ -132,7 +136,9 @@ class Colocation:
                                "freed memory (sync the trainer's weights before the next rollout or eval)")
         # the trainer leaves the GPU after a sync (offload): its copy out can start now
         leaves_next = name == "sync" and self.offload and self.trainer is not None
-        for kind, tags in plan(self.now, target, leaves_next=leaves_next):
+        after_training = self.at == "train" and name != "train"
+        self.at = name
+        for kind, tags in plan(self.now, target, leaves_next=leaves_next, after_training=after_training):
             t0 = time.perf_counter()
             if kind == "release":
                 restarted = self.release(tags)

@@ -748,10 +748,9 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None,
       the trainer's state and the gather, the engines released.
 
     Colocated with the engines staying (`cluster.release_engines=false`, `engines_stay`): every
-    phase holds the engines' whole footprint, the trainer's whole state and its training
-    activations, which torch keeps cached between steps (nothing trims them: nothing else takes
-    memory); the sync adds its buckets. The first step's logprob phase, before any training,
-    holds a forward's activations instead.
+    phase holds the engines' whole footprint and the trainer's whole state; logprob adds a
+    forward's activations, train a training micro-batch's, the sync its buckets (the trainer
+    trims its cached activations when training ends).
 
     Separate GPUs: "train" and "logprob" on the trainer's GPUs, "rollout" on the engines'.
     No phases on CPU ranks (empty list)."""
@@ -779,13 +778,12 @@ def phase_memory(cfg: VlmrlConfig, mem: MemoryEstimate | None = None,
                 PhaseMemory("train", "trainer", tuple(on_trainer + train_acts)),
                 *([PhaseMemory("save", "trainer", tuple(on_trainer + save_gather))] if gather else [])]
     if engines_stay(cfg):
-        always = tuple(_engine_generating(cfg) + state + trainer_process + trainer_graphs
-                       + [(name.replace("training micro-batch", "training micro-batch, cached between steps"), b)
-                          for name, b in train_acts])
-        return [PhaseMemory("rollout", "shared", always), PhaseMemory("logprob", "shared", always),
-                PhaseMemory("train", "shared", always),
-                PhaseMemory("sync", "shared", always + tuple(sync_transient_bytes(cfg))),
-                *([PhaseMemory("save", "shared", always + tuple(save_gather))] if gather else [])]
+        both = _engine_generating(cfg) + state + trainer_process + trainer_graphs
+        return [PhaseMemory("rollout", "shared", tuple(both)),
+                PhaseMemory("logprob", "shared", tuple(both + fwd_acts)),
+                PhaseMemory("train", "shared", tuple(both + train_acts)),
+                PhaseMemory("sync", "shared", tuple(both + sync_transient_bytes(cfg))),
+                *([PhaseMemory("save", "shared", tuple(both + save_gather))] if gather else [])]
     if offload:
         split = split or offload_split(cfg, mem)
         kept = [(f"trainer {name} kept on the GPU (trainer.resident_gib)", b) for name, b in split.resident]
