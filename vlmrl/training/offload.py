@@ -472,7 +472,7 @@ class DeviceStateOffload:
         free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
         laid_out = self._host is not None and self._offsets == self._layout()
-        current = self._host_current()
+        current = laid_out and self._host_version == self.version  # `_host_current`, the layout read once
         staged = not current and laid_out and self._out is not None and self._out[0] == self.version
         copy_s = 0.0
         if not current:
