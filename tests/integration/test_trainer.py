@@ -14,8 +14,11 @@ import pytest
 from vlmrl.training.parallel_state import spawn_local
 
 
-def _sft_samples(cfg, path: str) -> list:
-    """Three image + answer samples for an SFT step."""
+def _sft_samples(cfg, path: str, shared: bool = False) -> list:
+    """Three image + answer samples for an SFT step. `shared`: two more, with other answers, on
+    the first two images, as a prompt's replies share its image: one holds the first sample's
+    pixel tensor itself, the other an equal copy of the second's (the trainer runs the vision
+    tower once per distinct image of a micro-batch, `vlmrl.models.packing.share_images`)."""
     from PIL import Image, ImageDraw
 
     from vlmrl.models.processor import load_processor
@@ -34,6 +37,14 @@ def _sft_samples(cfg, path: str) -> list:
         resp = proc.tokenizer(f"Answer: \\boxed{{{answer}}}<|im_end|>")["input_ids"]
         samples.append(TrainSample(ids + resp, [0.0] * len(ids) + [1.0] * len(resp), enc["pixel_values"],
                                    enc["image_grid_thw"]))
+    if shared:
+        for k, answer in ((0, "4"), (1, "46")):
+            first = samples[k]
+            prompt = first.input_ids[:first.prompt_len]
+            resp = proc.tokenizer(f"Answer: \\boxed{{{answer}}}<|im_end|>")["input_ids"]
+            pixels = first.pixel_values if k == 0 else first.pixel_values.clone()
+            samples.append(TrainSample(prompt + resp, [0.0] * len(prompt) + [1.0] * len(resp), pixels,
+                                       first.image_grid_thw))
     return samples
 
 
@@ -81,7 +92,7 @@ def _sft_grad_norms(rank: int, world: int, cfgs: dict, path: str, bucket: bool =
     """HF's gradient norm ("hf") and the trainer's (norm, fast layers) under each of `cfgs`,
     one after the other in the same ranks (one process start for all the layouts)."""
     first = next(iter(cfgs.values()))  # the layouts differ in parallelism only: same samples, same HF model
-    samples = _sft_samples(first, path)
+    samples = _sft_samples(first, path, shared=True)  # HF runs each sample's image; the trainer each distinct one
     out = {"hf": _hf_grad_norm(first, path, samples)}
     for name, cfg in cfgs.items():
         out[name] = _trainer_grad_norm(cfg, path, samples, bucket)

@@ -77,6 +77,41 @@ def test_bucketed_micro_batch_keeps_every_per_sample_quantity():
             loss_normaliser(plain.loss_mask, plain.cu_seqlens, mode, 100)
 
 
+def _image_sample(pixels: torch.Tensor, grid: list[int], reply: list[int]) -> TrainSample:
+    n = grid[0] * grid[1] * grid[2] // 4  # placeholders of a 2x2 merge
+    ids = [10, 11] + [999] * n + [12] + reply
+    return TrainSample(ids, [0.0] * (len(ids) - len(reply)) + [1.0] * len(reply), pixels, torch.tensor([grid]))
+
+
+def test_a_micro_batch_runs_each_distinct_image_once():
+    """A prompt's replies hold its pixel tensor (or, after a copy, equal pixels): the micro-batch
+    carries each distinct image once and every reply's placeholders read its rows; an image of
+    the same size with other pixels, or the same pixels at another grid, stays its own."""
+    from vlmrl.training.batch import image_owners
+
+    g = torch.Generator().manual_seed(0)
+    img, other = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+    wide = img.clone()  # the same values laid out as another grid: another image
+    white = torch.ones(16, 32)
+    white_but_one = white.clone()
+    white_but_one[5, 3] = 0.0  # not among the 256 values the quick key reads: told apart by the whole comparison
+    samples = [_image_sample(img, [1, 4, 4], [20, 21]), _image_sample(img, [1, 4, 4], [22]),
+               TrainSample([10, 11, 12, 30], [0.0, 0.0, 0.0, 1.0]),
+               _image_sample(img.clone(), [1, 4, 4], [23, 24, 25]), _image_sample(other, [1, 4, 4], [26]),
+               _image_sample(wide, [1, 2, 8], [27]), _image_sample(white, [1, 4, 4], [28]),
+               _image_sample(white_but_one, [1, 4, 4], [29]), _image_sample(white.clone(), [1, 4, 4], [31])]
+    assert image_owners(samples) == [0, 0, None, 0, 4, 5, 6, 7, 6]
+    mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2)
+    assert torch.equal(mb.pixel_values, torch.cat([img, other, wide, white, white_but_one]))
+    assert mb.packed.vision_grid_thw.tolist() == [[1, 4, 4]] * 2 + [[1, 2, 8]] + [[1, 4, 4]] * 2
+    rows = mb.packed.image_token_index.tolist()
+    assert rows == [0, 1, 2, 3] * 3 + [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 12, 13, 14, 15]
+    # without a shared image nothing changes: every sample's own rows, in order
+    alone = build_micro_batch([samples[0], samples[4]], image_token_id=999, spatial_merge_size=2)
+    assert alone.packed.vision_grid_thw is None and alone.packed.image_token_index.tolist() == list(range(8))
+    assert torch.equal(alone.pixel_values, torch.cat([img, other]))
+
+
 def test_context_parallel_split_keeps_every_trained_token_once():
     samples = [sample(5, 6), sample(4, 7, offset=50)]
     whole = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2)

@@ -155,6 +155,43 @@ def test_check_image_tokens_names_the_sample():
         check_image_tokens(bad)
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_shared_images_map_each_placeholder_to_its_owners_features(cp):
+    """A prompt's replies share its image: their placeholders read the first reply's feature
+    rows, the vision tower takes each distinct image's grid once, and a CP share keeps the rows
+    its placeholders need."""
+    from vlmrl.models.packing import share_images
+
+    a = _sample(3, [[1, 4, 4]], 5, 0)  # 4 image tokens
+    text = _sample(2, [], 3, 1)
+    b = _sample(1, [[1, 6, 4]], 2, 2)  # 6
+    a2 = PackSample(torch.cat([torch.as_tensor(a.input_ids), torch.tensor([60, 61])]), None, a.image_grid_thw)
+    samples = [a, text, b, a2, a]
+    whole = pack(samples, image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=2 * cp)
+    shared = share_images(whole, [0, None, 2, 0, 0])
+    assert shared.vision_grid_thw.tolist() == [[1, 4, 4], [1, 6, 4]]
+    assert shared.image_grid_thw.tolist() == whole.image_grid_thw.tolist()  # positions still per sample
+    assert shared.image_token_index.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 0, 1, 2, 3]
+    assert whole.vision_grid_thw is None and torch.equal(whole.vision_grids, whole.image_grid_thw)
+    # the features the model would place: the owner's, row for row
+    feats = torch.randn(10, 3)  # the vision tower's output for the two distinct images
+    placed = feats[shared.image_token_index]
+    alone = torch.cat([feats[:4], feats[4:], feats[:4], feats[:4]])
+    assert torch.equal(placed, alone)
+    for r in range(cp):
+        share = split_for_cp(shared, cp, r)
+        ordinal = torch.cumsum(shared.image_mask.long(), 0) - 1
+        idx = zigzag_index(shared.padded_lens, cp, r) if cp > 1 else torch.arange(shared.num_tokens)
+        assert torch.equal(share.image_token_index, shared.image_token_index[ordinal[idx][shared.image_mask[idx]]])
+        assert torch.equal(share.vision_grid_thw, shared.vision_grid_thw)
+    with pytest.raises(ValueError, match="sample 2: its image grids"):  # another image's size
+        share_images(whole, [0, None, 0, 0, 0])
+    with pytest.raises(ValueError, match="sample 4: owner 3"):  # an owner that reads another's
+        share_images(whole, [0, None, 2, 0, 3])
+    with pytest.raises(ValueError, match="sample 0 has 1 images but no owner"):
+        share_images(whole, [None, None, 2, 0, 0])
+
+
 def test_zigzag_index_chunks():
     # one sample of 8 tokens, cp=2: chunks of 2; rank 0 -> chunks 0,3; rank 1 -> chunks 1,2
     assert zigzag_index([8], 2, 0).tolist() == [0, 1, 6, 7]

@@ -14,6 +14,8 @@ Pure tensor functions (torch only, no process groups):
   2*cp) is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r, with its token
   ids, positions, loss mask, the engine's experts of its tokens (routing replay) and the
   rows of the image features it needs.
+- `share_images`: samples whose images are another sample's (a prompt's group of replies)
+  read that sample's image features: the vision tower runs on each distinct image once.
 - `unpack` / `cp_merge`: per-token outputs back to samples / to the unsplit order.
 
 Layout conventions (those of TransformerEngine's THD format): `cu_seqlens` are the cumulative
@@ -74,6 +76,9 @@ class PackedSequence:
     # the engine's experts of every token held here [T, layers, top-k] (-1: not known, e.g. a
     # sample's last token or padding); None: no sample carries them (`vlmrl.models.routing`)
     routed_experts: Tensor | None = None
+    # the grids of the images the vision tower runs, in the order of its features, where samples
+    # share images (`share_images`); None: every image of every sample (`image_grid_thw`)
+    vision_grid_thw: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -100,12 +105,18 @@ class PackedSequence:
     def num_image_tokens(self) -> int:
         return sum(self.image_tokens_per_sample)
 
+    @property
+    def vision_grids(self) -> Tensor:
+        """[n, 3]: the grids of the images the vision tower runs for this sequence."""
+        return self.image_grid_thw if self.vision_grid_thw is None else self.vision_grid_thw
+
     def to(self, device: torch.device | str) -> PackedSequence:
         moved = {k: getattr(self, k).to(device) for k in
                  ("input_ids", "position_ids", "loss_mask", "cu_seqlens", "cu_seqlens_padded",
                   "image_grid_thw", "image_token_index", "image_mask", "token_index")}
-        if self.routed_experts is not None:
-            moved["routed_experts"] = self.routed_experts.to(device)
+        for k in ("routed_experts", "vision_grid_thw"):
+            if getattr(self, k) is not None:
+                moved[k] = getattr(self, k).to(device)
         return replace(self, **moved)
 
 
@@ -286,6 +297,47 @@ def _cumsum(lengths: Sequence[int]) -> Tensor:
     if lengths:
         out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
     return out
+
+
+def share_images(packed: PackedSequence, owners: Sequence[int | None]) -> PackedSequence:
+    """The whole packed sequence with each sample's image placeholders reading the image
+    features of `owners[i]`, the first sample whose images are sample i's own (i itself where
+    no sample before it has them; None for a sample without images). The vision tower then
+    runs once per distinct sample's images (`vision_grid_thw`, in sample order) and
+    `image_token_index` maps every placeholder to its row among those features. Features
+    depend on the pixels and the grid alone, so this is the same computation as running every
+    sample's copy: in the backward, the gradients of the samples that share an image add up
+    before the vision tower instead of after it."""
+    if packed.cp_size != 1:
+        raise ValueError("share_images takes the whole packed sequence")
+    n = packed.num_samples
+    if len(owners) != n:
+        raise ValueError(f"share_images: {len(owners)} owners for {n} samples")
+    first_grid = [0]
+    for k in packed.images_per_sample:
+        first_grid.append(first_grid[-1] + k)
+    grids = [packed.image_grid_thw[first_grid[i]:first_grid[i + 1]] for i in range(n)]
+    row: dict[int, int] = {}  # distinct sample -> its first feature row
+    kept, index, rows = [], [], 0
+    for i, o in enumerate(owners):
+        has = packed.images_per_sample[i] > 0
+        if o is None:
+            if has:
+                raise ValueError(f"sample {i} has {packed.images_per_sample[i]} images but no owner")
+            continue
+        if not 0 <= o <= i or (o != i and owners[o] != o):
+            raise ValueError(f"sample {i}: owner {o} is not a sample before it that owns its images")
+        if not has or not torch.equal(grids[o], grids[i]):
+            raise ValueError(f"sample {i}: its image grids {grids[i].tolist()} are not those of its owner, "
+                             f"sample {o} ({grids[o].tolist()})")
+        if o == i:
+            row[i] = rows
+            rows += packed.image_tokens_per_sample[i]
+            kept.append(grids[i])
+        index.append(torch.arange(row[o], row[o] + packed.image_tokens_per_sample[i]))
+    return replace(packed,
+                   image_token_index=torch.cat(index) if index else torch.zeros(0, dtype=torch.long),
+                   vision_grid_thw=torch.cat(kept) if kept else torch.zeros(0, 3, dtype=torch.long))
 
 
 def check_image_tokens(packed: PackedSequence) -> None:

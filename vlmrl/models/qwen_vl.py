@@ -30,7 +30,7 @@ from torch import Tensor
 from . import compat
 from .attention import VLPackedSeqParams
 from .mrope import MRopeSpec, mrope_cos_sin
-from .packing import PackedSequence, check_image_tokens
+from .packing import PackedSequence, check_image_tokens, image_token_count
 
 
 class QwenVLModel(MegatronModule):
@@ -132,12 +132,14 @@ class QwenVLModel(MegatronModule):
             return emb
         if pixel_values is None:
             raise ValueError(f"the batch has {packed.num_image_tokens} image tokens but no pixel_values")
-        grid = packed.image_grid_thw.to(device)
-        out = self.visual(pixel_values.to(device=device, dtype=self.visual.dtype), grid_thw=grid)
+        # each distinct image once: samples that share a prompt's image read the same rows
+        grids = packed.vision_grids
+        out = self.visual(pixel_values.to(device=device, dtype=self.visual.dtype), grid_thw=grids.to(device))
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        if feats.shape[0] != packed.num_image_tokens:
-            raise ValueError(f"the vision tower gave {feats.shape[0]} image features for "
-                             f"{packed.num_image_tokens} image tokens (grids {packed.image_grid_thw.tolist()})")
+        want = int(image_token_count(grids.cpu(), self.spatial_merge_size).sum()) if len(grids) else 0
+        if feats.shape[0] != want:
+            raise ValueError(f"the vision tower gave {feats.shape[0]} image features for the {want} image tokens "
+                             f"of its grids {grids.tolist()}")
         if packed.image_token_index.numel() != n_here:
             raise ValueError(f"{n_here} image tokens here but image_token_index has "
                              f"{packed.image_token_index.numel()} rows")

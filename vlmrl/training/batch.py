@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from ..models.packing import PackedSequence, PackSample, graph_bucket, pack, split_for_cp
+from ..models.packing import PackedSequence, PackSample, graph_bucket, pack, share_images, split_for_cp
 
 
 @dataclass
@@ -196,6 +196,34 @@ def even_micro_batches(samples: Sequence[TrainSample], groups: list[list[int]], 
     return samples, groups, fillers
 
 
+def image_owners(samples: Sequence[TrainSample]) -> list[int | None]:
+    """For each sample, the first sample whose images are its own: the same pixel tensor (a
+    prompt's replies share their prompt's encoding) or equal grids and pixels; itself where no
+    earlier sample has them, None where it has no image. A rollout step's micro-batch then
+    runs the vision tower once per prompt instead of once per reply (`share_images`)."""
+    owners: list[int | None] = []
+    by_object: dict[tuple, int] = {}  # (the pixel tensor's id, grid) -> owner
+    # (grid, shape, 256 pixels spread over the tensor) -> the distinct samples with them: only those are compared whole
+    by_key: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        px = s.pixel_values
+        if px is None or s.image_grid_thw is None:
+            owners.append(None)
+            continue
+        grid = tuple(torch.as_tensor(s.image_grid_thw).reshape(-1).tolist())
+        o = by_object.get((id(px), grid))
+        if o is None:
+            flat = px.reshape(-1)
+            key = (grid, tuple(px.shape), tuple(flat[:: max(1, flat.numel() // 256)].tolist()))
+            same = by_key.setdefault(key, [])
+            o = next((j for j in same if torch.equal(samples[j].pixel_values, px)), i)
+            if o == i:
+                same.append(i)
+            by_object[(id(px), grid)] = o
+        owners.append(o)
+    return owners
+
+
 def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, spatial_merge_size: int,
                       cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, pad_token_id: int = 0,
                       bucket: bool = False) -> MicroBatch:
@@ -223,9 +251,12 @@ def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, sp
         adv[a:a + n] = float(s.advantage)
         lp[a:a + n] = r
         old[a:a + n] = o
+    owners = image_owners(samples)
+    if any(o is not None and o != i for i, o in enumerate(owners)):
+        whole = share_images(whole, owners)
     local = split_for_cp(whole, cp_size, cp_rank) if cp_size > 1 else whole
     idx = local.token_index
-    pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
+    pixels = [s.pixel_values for i, s in enumerate(samples) if s.pixel_values is not None and owners[i] == i]
     mb = MicroBatch(
         packed=local,
         pixel_values=torch.cat(pixels) if pixels else None,
