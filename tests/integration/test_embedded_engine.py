@@ -198,6 +198,59 @@ def test_async_calls_are_coalesced_and_equal_sync(engine, images):
         assert o[0].output_ids == ref[i % len(reqs)].output_ids
 
 
+def test_requests_arriving_a_few_ms_apart_share_a_batch(engine, images):
+    """A rollout sends one call per request, a few ms apart at times: they join one batch as
+    long as they keep coming (`batch_wait_s` of quiet ends the wait), instead of the first few
+    running alone while the rest wait for a second batch."""
+    reqs = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=4))
+    before = engine.stats["batches"]
+
+    async def trickle():
+        calls = []
+        for r in reqs + reqs[:2]:
+            calls.append(asyncio.ensure_future(engine.generate([r])))
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(*calls)
+
+    out = asyncio.run(trickle())
+    assert engine.stats["batches"] - before == 1
+    assert all(not isinstance(o[0], BaseException) for o in out)
+
+
+def test_every_torch_call_runs_on_the_engines_one_thread(engine, images, monkeypatch):
+    """Batches (sync and async), weight copies, release and resume all run on the engine's
+    torch thread: on a CPU, torch work started from a second thread keeps a second OpenMP
+    thread team spinning on the same cores (a batch took 1.7x as long)."""
+    import threading
+
+    import vlmrl.rollout.embedded as embedded
+
+    seen: list[tuple[str, int]] = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: seen.append(("forward", threading.get_ident())))
+    copy = embedded.copy_grouped
+    monkeypatch.setattr(embedded, "copy_grouped", lambda *a: (seen.append(("copy", threading.get_ident())), copy(*a)))
+    for name in ("_release", "_resume"):
+        method = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda tags, m=method, n=name: (seen.append((n, threading.get_ident())),
+                                                                          m(tags))[1])
+    req = _requests(engine, images, SamplingParams(temperature=0.0, max_new_tokens=3))[0]
+    try:
+        engine.generate_sync([req])
+        asyncio.run(engine.generate([req]))
+        asyncio.run(engine.release_memory_occupation(["kv_cache"]))
+        asyncio.run(engine.resume_memory_occupation(["kv_cache"]))
+        name, value = next((n, v) for n, v in engine.model.state_dict().items() if n.endswith("norm.weight"))
+        from vlmrl.models import families
+        from vlmrl.models.names import to_checkpoint
+
+        ckpt = to_checkpoint({name: value}, families.family_of_hf(engine.model.config))
+        asyncio.run(engine.update_weights_from_tensor(list(ckpt.items())))
+    finally:
+        hook.remove()
+    assert {n for n, _ in seen} == {"forward", "copy", "_release", "_resume"}
+    assert {t for _, t in seen} == {engine._torch_ident} != {threading.get_ident()}
+
+
 def test_weight_update_release_resume(engine, images):
     """Updates come by checkpoint name (Qwen3.5-MoE: one tensor per routed expert, written into
     transformers' fused expert parameters)."""

@@ -200,6 +200,14 @@ class _State:
 _APPS: weakref.WeakKeyDictionary[Any, tuple[Any, _State]] = weakref.WeakKeyDictionary()
 
 
+async def _torch_work(engine: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn off the event loop: on the engine's torch thread where it has one (`EmbeddedEngine.torch_call`)."""
+    call = getattr(engine, "torch_call", None)
+    if call is not None:
+        return await call(fn, *args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 def _engine_load(engine: Any, state: _State) -> tuple[int, int]:
     """(running, waiting) requests: the engine's own counts where it keeps them, else the
     server's requests in flight as running."""
@@ -313,7 +321,7 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
                 return _reply(False, f"load_format {fmt!r} is not supported by the embedded engine "
                                      "(expects SGLang's CUDA-IPC payload, flattened (load_format "
                                      "'flattened_bucket') or not, or base64 of torch.save(list[(name, tensor)]))")
-            named = await asyncio.to_thread(decode_payload, entries[0], fmt == "flattened_bucket")
+            named = await _torch_work(engine, decode_payload, entries[0], fmt == "flattened_bucket")
             await engine.update_weights_from_tensor(named, flush_cache=bool(body.get("flush_cache", True)),
                                                     weight_version=body.get("weight_version"))
         except Exception as e:  # noqa: BLE001
@@ -348,8 +356,8 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
             group = groups.get(name)
             if group is None:
                 return _reply(False, f"no weight update group {name!r}; call /init_weights_update_group first")
-            named = await asyncio.to_thread(receive_bucket, group, body["names"], body["dtypes"], body["shapes"],
-                                            flattened=body.get("load_format") == "flattened_bucket")
+            named = await _torch_work(engine, receive_bucket, group, body["names"], body["dtypes"], body["shapes"],
+                                          flattened=body.get("load_format") == "flattened_bucket")
             await engine.update_weights_from_tensor(named, flush_cache=bool(body.get("flush_cache", True)),
                                                     weight_version=body.get("weight_version"))
         except Exception as e:  # noqa: BLE001
