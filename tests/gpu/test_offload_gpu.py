@@ -87,7 +87,7 @@ def _offload_worker(rank: int, world: int, cfgs: dict, path: str) -> dict:
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    samples = _sft_samples(cfgs["offload"], path)
+    samples = _sft_samples(next(iter(cfgs.values())), path)
     res = {}
     for name, cfg in cfgs.items():
         trainer = MegatronTrainer(cfg, path)
@@ -119,7 +119,11 @@ def test_offloaded_trainer_trains_as_one_that_never_left(tiny_config, tiny_check
                 "plain": dict(offload=False), "plain_again": dict(offload=False)}
     cfgs = {name: dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, **kw))
             for name, kw in variants.items()}
-    res = spawn_local(_offload_worker, 1, cfgs, tiny_checkpoint, backend="nccl", timeout_s=900)[0]
+    # a process per variant, as a run builds one trainer per process (on an H100 on 2026-12-07 a second
+    # offloaded trainer built in the process of the first failed in its first allocation: CUDA's
+    # "resource already mapped")
+    res = {name: spawn_local(_offload_worker, 1, {name: cfg}, tiny_checkpoint, backend="nccl", timeout_s=600)[0][name]
+           for name, cfg in cfgs.items()}
     b, c = res["plain"], res["plain_again"]
 
     for name in ("offload", "overlap", "resident"):

@@ -293,7 +293,7 @@ def _graph_steps(rank: int, world: int, cfg, path: str) -> dict:
     steps, tokens = [], []
     for k in range(5):
         batch = samples[:2] if k == 2 else samples
-        tokens.append([mb.packed.num_tokens for mb in trainer._micro_batches(batch)])
+        tokens.append([mb.packed.num_tokens for mb in trainer._step_micro_batches(batch)])
         m = trainer.sft_step(batch)
         steps.append((m["loss"], m["grad_norm"]))
     layers = [layer for c in trainer.chunks for layer in c.language_model.decoder.layers]
