@@ -34,8 +34,10 @@ the engine (the model's load, the batches, weight copies, release and resume) ru
 thread of its own: on a CPU, parallel torch work started from two threads keeps two OpenMP
 thread teams, whose idle threads spin on the cores the working team needs (on two cores a
 batch of the MoE miniature took 2.4 s instead of 1.4 s once the model had been loaded on
-another thread than the one generating). `load()` counts the requests in the batch being generated ("running") and those
-queued for one ("waiting"), which the HTTP server reports on /v1/loads. A request while memory
+another thread than the one generating). A batch waits for more callers while requests keep
+arriving (`batch_wait_s` of quiet ends the wait, `batch_max_wait_s` bounds it). `load()`
+counts the requests in the batch being generated ("running") and those queued for one
+("waiting"), which the HTTP server reports on /v1/loads. A request while memory
 is released, or a weight update while the weights are, is refused and counted in `stats`.
 `EmbeddedEngineActor` / `create_embedded_actor` put the engine in a Ray actor (its HTTP
 server speaking the protocol of the SGLang release `sglang_version`) and `RayEngine` is the

@@ -357,7 +357,7 @@ def build_app(engine: Any, *, max_generate_mb: float = 64.0, max_weights_mb: flo
             if group is None:
                 return _reply(False, f"no weight update group {name!r}; call /init_weights_update_group first")
             named = await _torch_work(engine, receive_bucket, group, body["names"], body["dtypes"], body["shapes"],
-                                          flattened=body.get("load_format") == "flattened_bucket")
+                                      flattened=body.get("load_format") == "flattened_bucket")
             await engine.update_weights_from_tensor(named, flush_cache=bool(body.get("flush_cache", True)),
                                                     weight_version=body.get("weight_version"))
         except Exception as e:  # noqa: BLE001
