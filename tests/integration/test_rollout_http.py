@@ -179,6 +179,39 @@ def test_errors_are_not_retried_but_transport_failures_are(engine, server):
     _run(go())
 
 
+def test_waiting_for_a_server_takes_a_health_answer_slower_than_the_poll():
+    """SGLang 0.5.17 answers /health only once its scheduler has reported after the check came
+    in, which it looks at once a second: the answer takes a second or more. A wait that gave
+    each poll its poll interval (1 s) never saw a healthy server (a run on an H100, 2026-12-07,
+    waited 9 minutes for a server that curl found up)."""
+    from aiohttp import web
+
+    async def go():
+        calls = []
+
+        async def health(request):
+            calls.append(time.monotonic())
+            await asyncio.sleep(1.3)  # SGLang's answer: after the next once-a-second look
+            return web.Response(status=200)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = HTTPEngine(f"http://127.0.0.1:{port}", max_retries=0)
+        try:
+            t0 = time.monotonic()
+            await client.wait_healthy(6.0, poll_s=0.5)
+            assert time.monotonic() - t0 < 3.0 and len(calls) == 1, calls
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    _run(go())
+
+
 def _perturbed_checkpoint(src: str, dst: Path) -> tuple[Path, list[tuple[str, torch.Tensor]]]:
     """A copy of the tiny checkpoint with new weights; returns (dir, named HF tensors)."""
     import transformers

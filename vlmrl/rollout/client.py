@@ -445,7 +445,9 @@ class HTTPEngine:
         the timeout raise EngineError."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if await self.health(timeout_s=min(5.0, max(poll_s, 1.0))):
+            # each poll waits for SGLang's own answer, which takes a second at least (its /health
+            # polls the scheduler once a second): a poll interval is no bound on an answer
+            if await self.health(timeout_s=HEALTH_ANSWER_S):
                 return
             if is_alive is not None and not is_alive():
                 raise EngineError(f"{self.name}: server process exited before becoming healthy", retryable=False)
@@ -473,6 +475,11 @@ class HTTPEngine:
             except RuntimeError:
                 pass
         self._session = None
+
+
+# how long one /health call may take: SGLang answers after its scheduler next reports, polled
+# once a second, and gives up on a health check itself after 20 s
+HEALTH_ANSWER_S = 25.0
 
 
 def _error_message(text: str) -> str:
