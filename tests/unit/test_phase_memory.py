@@ -222,6 +222,27 @@ def test_plan_prints_the_micro_batch_budget():
     assert step_tokens_per_rank(split) == -(-whole // 2 // 2)  # dp 2 x cp 2
 
 
+def test_a_phase_over_ninety_percent_of_the_gpu_is_noted_with_the_budget_that_fits():
+    """The scaled 2.88B MoE of the H200 runs on an 80 GiB H100 at 4096 tokens a micro-batch: its
+    train phase is planned at 92% of the GPU, and both colocated runs of 2026-12-07 died allocating
+    in it. The run's start and the plan say so, with the largest budget that fits 90%; at that
+    budget, and on the H200 (whose rollout phase the resident trainer fills to exactly 90%),
+    nothing is noted."""
+    from vlmrl.config import config_notes
+
+    h100 = [*H200_SCALED, "hardware=h100", "parallel.max_tokens_per_gpu=4096"]
+    notes = [n for n in config_notes(_cfg(*h100)) if "planned peak" in n]
+    tokens, _ = largest_micro_batch_tokens(_cfg(*h100))
+    assert len(notes) == 1 and "the train phase's planned peak" in notes[0] and "of the 80 GiB GPU" in notes[0]
+    assert f"parallel.max_tokens_per_gpu={tokens} keeps every phase within 90%" in notes[0] and tokens < 4096
+    assert not [n for n in config_notes(_cfg(*h100, f"parallel.max_tokens_per_gpu={tokens}")) if "planned peak" in n]
+    h200 = [a for a in H200_SCALED if a != "trainer.resident_gib=0"]
+    assert not [n for n in config_notes(_cfg(*h200)) if "planned peak" in n]
+    assert max(phase_estimates(_cfg(*h200)).values()) >= 0.899 * 141 * GIB  # the resident part fills to 90%
+    assert not [n for n in config_notes(_cfg()) if "planned peak" in n]  # CPU ranks: no GPU to fill
+    assert "the train phase's planned peak" in render_plan(_cfg(*h100))
+
+
 def test_compare_phase_memory():
     est = {"rollout": 100 * GIB, "train": 50 * GIB, "sync": 60 * GIB}
     assert compare_phase_memory(est, {"rollout": 108 * GIB, "train": 46 * GIB}) == []

@@ -236,7 +236,15 @@ def test_engine_images_and_seeds_follow_the_config():
     det = _cfg("h200", "rollout.sglang.deterministic_inference=true")
     assert _parse(server_command(server_args(det.rollout, det.hardware, det.model, port=1)))[
         "--enable-deterministic-inference"] == []
-    assert config_notes(det) == []
+    assert not [n for n in config_notes(det) if "deterministic" in n]
+    # two H200s at SGLang's default pool: the rollout phase is planned over 90% of the GPU, and
+    # the note names the pool that fits (`memory_notes`)
+    over = [n for n in config_notes(det) if "planned peak" in n]
+    assert len(over) == 1 and "the rollout phase's" in over[0], over
+    frac = float(over[0].split("rollout.sglang.mem_fraction_static=")[1].split()[0])
+    assert frac < det.rollout.sglang.mem_fraction_static
+    fits = _cfg("h200", "rollout.sglang.deterministic_inference=true", f"rollout.sglang.mem_fraction_static={frac}")
+    assert config_notes(fits) == []
 
 
 def test_router_command():

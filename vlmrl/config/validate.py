@@ -10,6 +10,7 @@ Megatron: each TP rank routes its own slice of the tokens).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,7 +412,41 @@ def config_notes(cfg: VlmrlConfig) -> list[str]:
     if cfg.rollout.name == "sglang" and not cfg.rollout.sglang.deterministic_inference:
         notes.append("SGLang ignores the per-sample seeds unless rollout.sglang.deterministic_inference=true: "
                      "rollouts are not reproducible and a resumed run does not redraw the same samples")
+    notes.extend(memory_notes(cfg))
     return notes
+
+
+# the share of a GPU every phase of a step is planned within (`largest_micro_batch_tokens`,
+# `trainer.resident_budget`'s default): allocator caches and fragmentation take the rest
+PHASE_FRACTION = 0.9
+
+
+def memory_notes(cfg: VlmrlConfig) -> list[str]:
+    """A phase of a step whose planned peak is over 90% of the GPU, with the micro-batch budget
+    that fits (a run at 92% died allocating on an 80 GiB H100, 2026-12-07). Notes, not rules:
+    the plan is an estimate, and a run within the device may still work."""
+    from .memory import GIB, largest_micro_batch_tokens, phase_estimates
+
+    gpu = cfg.hardware.gpu_memory_gb * GIB
+    if cfg.hardware.device != "cuda" or gpu <= 0:
+        return []
+    # the resident trainer state fills the rollout phase to the fraction exactly: not over it
+    over = {ph: b for ph, b in phase_estimates(cfg).items() if b > PHASE_FRACTION * gpu * (1 + 1e-3)}
+    if not over:
+        return []
+    phase, peak = max(over.items(), key=lambda kv: kv[1])
+    r = cfg.rollout
+    largest = largest_micro_batch_tokens(cfg, fraction=PHASE_FRACTION)
+    if phase == "rollout" and r.name == "sglang":  # the engine's pool, which no micro-batch moves
+        frac = math.floor((r.sglang.mem_fraction_static - (peak - PHASE_FRACTION * gpu) / gpu) * 100) / 100
+        fix = f"rollout.sglang.mem_fraction_static={frac:.2f} or less brings it within {PHASE_FRACTION:.0%}"
+    elif phase != "rollout" and largest is not None and largest[0] < cfg.parallel.max_tokens_per_gpu:
+        fix = f"parallel.max_tokens_per_gpu={largest[0]} keeps every phase within {PHASE_FRACTION:.0%}"
+    else:
+        fix = "fewer tokens per micro-batch, more of the trainer offloaded or a smaller engine pool would lower it"
+    return [f"the {phase} phase's planned peak, {peak / GIB:.1f} GiB, is {peak / gpu:.0%} of the "
+            f"{cfg.hardware.gpu_memory_gb:g} GiB GPU (over {PHASE_FRACTION:.0%}): the run may fail to allocate; "
+            f"{fix} (python -m vlmrl.plan)"]
 
 
 def validate(cfg: VlmrlConfig) -> VlmrlConfig:
