@@ -201,6 +201,9 @@ class DeviceStateOffload:
         self._host_version: int | None = None  # the version the host copy holds (None: none whole)
         self._in: tuple[Any, Any] | None = None  # (start, end) of the optimizer state's copy in, not yet waited for
         self.last_overlap: dict[str, float] = {}
+        # the device's used bytes (every process's, as the driver counts them) at their highest
+        # during the placements: a storage's old block and its region copy overlap by one storage
+        self.placement_peak_bytes = 0
 
     # ------------------------------------------------------------------ placement
     @contextlib.contextmanager
@@ -262,8 +265,14 @@ class DeviceStateOffload:
         n = storage.nbytes()
         copy = _bytes_view(storage).clone() if keep else None
         storage.resize_(0)
+        # the old block (and the last placement's copy) went to torch's cache, which the region's
+        # own allocations cannot reuse: give it back to the device first, or placing a state holds
+        # it twice (a 2.88B MoE's 32 GiB of optimizer state failed to allocate on an 80 GiB H100)
+        torch.cuda.empty_cache()
         with self._region(tag):
             storage.resize_(n)
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.placement_peak_bytes = max(self.placement_peak_bytes, total - free)
         if copy is not None:
             _bytes_view(storage).copy_(copy)
             del copy

@@ -284,7 +284,10 @@ class MegatronTrainer:
             copy = self.host_copy_bytes
             print("trainer start, host s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.init_phases_s.items())
                   + f"; rank 0 resident {psutil.Process().memory_info().rss / 2**30:.1f} GiB"
-                  + (f" (pinned offload copy {copy / 2**30:.1f} GiB)" if copy else ""), flush=True)
+                  + (f" (pinned offload copy {copy / 2**30:.1f} GiB)" if copy else "")
+                  + (f"; the device's use while placing the state in the offload regions at most "
+                     f"{self._offload.placement_peak_bytes / 2**30:.1f} GiB" if self._offload is not None else ""),
+                  flush=True)
 
     # ------------------------------------------------------------------ setup
     def _check_gdn_fast_path(self) -> None:
