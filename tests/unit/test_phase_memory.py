@@ -223,11 +223,10 @@ def test_plan_prints_the_micro_batch_budget():
 
 
 def test_a_phase_over_ninety_percent_of_the_gpu_is_noted_with_the_budget_that_fits():
-    """The scaled 2.88B MoE of the H200 runs on an 80 GiB H100 at 4096 tokens a micro-batch: its
-    train phase is planned at 92% of the GPU, and both colocated runs of 2026-12-07 died allocating
-    in it. The run's start and the plan say so, with the largest budget that fits 90%; at that
-    budget, and on the H200 (whose rollout phase the resident trainer fills to exactly 90%),
-    nothing is noted."""
+    """The scaled 2.88B MoE of the H200 on an 80 GiB H100 at 4096 tokens a micro-batch: its
+    train phase is planned at 92% of the GPU. The run's start and the plan say so, with the
+    largest budget that fits 90%; at that budget, and on the H200 (whose rollout phase the
+    resident trainer fills to exactly 90%), nothing is noted."""
     from vlmrl.config import config_notes
 
     h100 = [*H200_SCALED, "hardware=h100", "parallel.max_tokens_per_gpu=4096"]

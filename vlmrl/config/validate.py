@@ -423,8 +423,8 @@ PHASE_FRACTION = 0.9
 
 def memory_notes(cfg: VlmrlConfig) -> list[str]:
     """A phase of a step whose planned peak is over 90% of the GPU, with the micro-batch budget
-    that fits (a run at 92% died allocating on an 80 GiB H100, 2026-12-07). Notes, not rules:
-    the plan is an estimate, and a run within the device may still work."""
+    (or engine pool) that fits. Notes, not rules: the plan is an estimate, and a run within the
+    device may still work."""
     from .memory import GIB, largest_micro_batch_tokens, phase_estimates
 
     gpu = cfg.hardware.gpu_memory_gb * GIB
