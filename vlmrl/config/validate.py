@@ -436,11 +436,12 @@ def memory_notes(cfg: VlmrlConfig) -> list[str]:
         return []
     phase, peak = max(over.items(), key=lambda kv: kv[1])
     r = cfg.rollout
-    largest = largest_micro_batch_tokens(cfg, fraction=PHASE_FRACTION)
-    if phase == "rollout" and r.name == "sglang":  # the engine's pool, which no micro-batch moves
-        frac = math.floor((r.sglang.mem_fraction_static - (peak - PHASE_FRACTION * gpu) / gpu) * 100) / 100
+    # the engine's pool, which no micro-batch moves, set the rollout phase's peak
+    frac = math.floor((r.sglang.mem_fraction_static - (peak - PHASE_FRACTION * gpu) / gpu) * 100) / 100
+    largest = largest_micro_batch_tokens(cfg, fraction=PHASE_FRACTION) if phase != "rollout" else None
+    if phase == "rollout" and r.name == "sglang" and frac >= 0.05:
         fix = f"rollout.sglang.mem_fraction_static={frac:.2f} or less brings it within {PHASE_FRACTION:.0%}"
-    elif phase != "rollout" and largest is not None and largest[0] < cfg.parallel.max_tokens_per_gpu:
+    elif largest is not None and largest[0] < cfg.parallel.max_tokens_per_gpu:
         fix = f"parallel.max_tokens_per_gpu={largest[0]} keeps every phase within {PHASE_FRACTION:.0%}"
     else:
         fix = "fewer tokens per micro-batch, more of the trainer offloaded or a smaller engine pool would lower it"
