@@ -240,6 +240,13 @@ def test_a_phase_over_ninety_percent_of_the_gpu_is_noted_with_the_budget_that_fi
     assert max(phase_estimates(_cfg(*h200)).values()) >= 0.899 * 141 * GIB  # the resident part fills to 90%
     assert not [n for n in config_notes(_cfg()) if "planned peak" in n]  # CPU ranks: no GPU to fill
     assert "the train phase's planned peak" in render_plan(_cfg(*h100))
+    assert "(over 90%: the run may fail to allocate)" in notes[0]
+    # a state no micro-batch budget brings within the GPU: Qwen2.5-VL-3B colocated on one H100 meets
+    # its engine's weights in the sync beside the trainer's whole state
+    big = [n for n in config_notes(_cfg("model=qwen2_5_vl_3b", "hardware=h100", "rollout=sglang", "cluster.num_gpus=1",
+                                        "cluster.colocate=true")) if "planned peak" in n]
+    assert len(big) == 1 and "the sync phase's" in big[0] and "more than the GPU holds" in big[0], big
+    assert "needs more GPUs" in big[0]
 
 
 def test_compare_phase_memory():

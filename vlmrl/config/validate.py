@@ -443,11 +443,15 @@ def memory_notes(cfg: VlmrlConfig) -> list[str]:
         fix = f"rollout.sglang.mem_fraction_static={frac:.2f} or less brings it within {PHASE_FRACTION:.0%}"
     elif largest is not None and largest[0] < cfg.parallel.max_tokens_per_gpu:
         fix = f"parallel.max_tokens_per_gpu={largest[0]} keeps every phase within {PHASE_FRACTION:.0%}"
-    else:
-        fix = "fewer tokens per micro-batch, more of the trainer offloaded or a smaller engine pool would lower it"
+    elif phase == "rollout":
+        fix = "a smaller engine pool, or more of the trainer offloaded (trainer.resident_budget), would lower it"
+    else:  # the trainer's state (and in the sync the engines' weights beside it) sets the peak
+        fix = ("no micro-batch budget fits: the trainer's state needs more GPUs (parallel.tp, pp, ep, or data "
+               "parallelism with trainer.use_distributed_optimizer) or a smaller model")
+    verdict = ("more than the GPU holds: the run cannot allocate it" if peak > gpu
+               else f"over {PHASE_FRACTION:.0%}: the run may fail to allocate")
     return [f"the {phase} phase's planned peak, {peak / GIB:.1f} GiB, is {peak / gpu:.0%} of the "
-            f"{cfg.hardware.gpu_memory_gb:g} GiB GPU (over {PHASE_FRACTION:.0%}): the run may fail to allocate; "
-            f"{fix} (python -m vlmrl.plan)"]
+            f"{cfg.hardware.gpu_memory_gb:g} GiB GPU ({verdict}); {fix} (python -m vlmrl.plan)"]
 
 
 def validate(cfg: VlmrlConfig) -> VlmrlConfig:
