@@ -62,6 +62,10 @@ SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
 # The embedded engine's working memory beyond its weights while it generates: the KV cache of
 # a batch and the activations of its forward passes.
 ENGINE_RUNTIME_BYTES = 4.0 * GIB
+# the share of a GPU every phase of a step is planned within (the micro-batch budget, the pool at
+# which engines can stay, the run's note on an over-full phase): allocator caches and fragmentation
+# take the rest
+PHASE_FRACTION = 0.9
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -820,7 +824,7 @@ class StayingPool:
     kv_need: int  # what a step's round may hold at most (`rollout_kv_need`)
 
 
-def largest_staying_pool(cfg: VlmrlConfig, fraction: float = 0.9, step: float = 0.01) -> StayingPool | None:
+def largest_staying_pool(cfg: VlmrlConfig, fraction: float = PHASE_FRACTION, step: float = 0.01) -> StayingPool | None:
     """The largest `rollout.sglang.mem_fraction_static` (a multiple of `step`) at which, with the
     engines staying (`cluster.release_engines=false`), every phase of a colocated step fits in
     `fraction` of the GPU and the pool still holds a whole round's KV cache (`rollout_kv_need`).
@@ -850,7 +854,7 @@ def step_tokens_per_rank(cfg: VlmrlConfig) -> int:
     return -(-samples * sequence_length(cfg) // cfg.parallel.cp)
 
 
-def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = 0.9, granularity: int = 1024,
+def largest_micro_batch_tokens(cfg: VlmrlConfig, fraction: float = PHASE_FRACTION, granularity: int = 1024,
                                limit: int | None = None) -> tuple[int, float] | None:
     """The largest `parallel.max_tokens_per_gpu` (a multiple of `granularity`, at most `limit`,
     by default a rank's whole share of an optimizer step, `step_tokens_per_rank` rounded up) at

@@ -416,16 +416,11 @@ def config_notes(cfg: VlmrlConfig) -> list[str]:
     return notes
 
 
-# the share of a GPU every phase of a step is planned within (`largest_micro_batch_tokens`,
-# `trainer.resident_budget`'s default): allocator caches and fragmentation take the rest
-PHASE_FRACTION = 0.9
-
-
 def memory_notes(cfg: VlmrlConfig) -> list[str]:
     """A phase of a step whose planned peak is over 90% of the GPU, with the micro-batch budget
     (or engine pool) that fits. Notes, not rules: the plan is an estimate, and a run within the
     device may still work."""
-    from .memory import GIB, largest_micro_batch_tokens, phase_estimates
+    from .memory import GIB, PHASE_FRACTION, largest_micro_batch_tokens, phase_estimates
 
     gpu = cfg.hardware.gpu_memory_gb * GIB
     if cfg.hardware.device != "cuda" or gpu <= 0:
@@ -438,7 +433,7 @@ def memory_notes(cfg: VlmrlConfig) -> list[str]:
     r = cfg.rollout
     # the engine's pool, which no micro-batch moves, set the rollout phase's peak
     frac = math.floor((r.sglang.mem_fraction_static - (peak - PHASE_FRACTION * gpu) / gpu) * 100) / 100
-    largest = largest_micro_batch_tokens(cfg, fraction=PHASE_FRACTION) if phase != "rollout" else None
+    largest = largest_micro_batch_tokens(cfg) if phase != "rollout" else None
     if phase == "rollout" and r.name == "sglang" and frac >= 0.05:
         fix = f"rollout.sglang.mem_fraction_static={frac:.2f} or less brings it within {PHASE_FRACTION:.0%}"
     elif largest is not None and largest[0] < cfg.parallel.max_tokens_per_gpu:

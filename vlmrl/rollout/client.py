@@ -52,6 +52,9 @@ from .protocol import (
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# how long one /health call may take: SGLang answers after its scheduler next reports, polled
+# once a second, and gives up on a health check itself after 20 s
+HEALTH_ANSWER_S = 25.0
 
 
 class HTTPEngine:
@@ -475,11 +478,6 @@ class HTTPEngine:
             except RuntimeError:
                 pass
         self._session = None
-
-
-# how long one /health call may take: SGLang answers after its scheduler next reports, polled
-# once a second, and gives up on a health check itself after 20 s
-HEALTH_ANSWER_S = 25.0
 
 
 def _error_message(text: str) -> str:
