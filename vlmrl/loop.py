@@ -211,7 +211,7 @@ class Loop:
         """One GRPO step, stage by stage. Scoring and filtering run inside generation: each
         group is scored as it completes, and dynamic sampling (`algo.filter_groups`) draws more
         prompts while too few groups are kept."""
-        t_step = time.perf_counter()
+        t_step, _ = time.perf_counter(), self.weights.take_moves()  # moves before the step (SFT, evals) are not its own
         # generate, score, filter (async mode: generated while the previous step trained)
         prompts, batch, t_rollout = self._next or self._rollout(self.state.step)
         self._next = None

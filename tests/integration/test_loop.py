@@ -239,9 +239,24 @@ def test_colocated_loop_order(tmp_path, cache_dir, monkeypatch):
     rl = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
     assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
     assert sum(r["rollout/engine_restarts"] for r in rl) == 1, rl
-    # every step moved the trainer: out after the sync (its copy staged before it), in for training
-    assert all(r["perf/offload_time"] > 0 and r["perf/onload_time"] > 0 and r["perf/offload_stage_time"] > 0
-               for r in rl), rl
+    # every step moved the trainer in for training and staged its copy out before the sync; the second
+    # step moved it out before its rollout (the first found it out: the evaluation after the warm-up
+    # had moved it, and a step's row holds the moves made in the step)
+    assert all(r["perf/onload_time"] > 0 and r["perf/offload_stage_time"] > 0 for r in rl), rl
+    assert rl[0]["perf/offload_time"] == 0 and rl[1]["perf/offload_time"] > 0, rl
+    # the same moves by the phase they entered, which splits each step into generation, training and
+    # the rest (`python -m vlmrl.bench step-phases`)
+    from vlmrl.bench.step_phases import main as step_phases
+    from vlmrl.bench.step_phases import split
+
+    for r in rl:
+        s = split(r)
+        assert s["move_generate"] >= r["perf/offload_time"] and s["move_train"] >= r["perf/onload_time"], (s, r)
+        assert s["move_sync"] >= r["perf/offload_stage_time"], (s, r)
+        assert 0 < s["generate"] <= r["perf/rollout_time"] and 0 < s["train"] < r["perf/train_time"], (s, r)
+        assert s["loop"] >= 0 and abs(s["generate"] + s["train"] + s["outside"] - s["step"]) < 1e-9, (s, r)
+    assert step_phases([str(tmp_path / "run"), "--out", str(tmp_path / "phases.md")]) == 0
+    assert (tmp_path / "phases.md").read_text().count("\n| ") == 2 + len(rl)  # header, steps, the mean
 
 
 def test_colocated_engines_that_stay_move_nothing(tmp_path, cache_dir):

@@ -1,4 +1,4 @@
-"""`python -m vlmrl.bench [cli|rollout|train-gpu|kernels-gpu|weight-sync|sglang-sync|trainer-steps|learning] [args]` (what `make bench` runs).
+"""`python -m vlmrl.bench [cli|rollout|train-gpu|kernels-gpu|weight-sync|sglang-sync|trainer-steps|learning|step-phases] [args]` (what `make bench` runs).
 
 Without a name it runs the CPU benchmarks (dry-run latency, embedded-engine rollout
 throughput with the tiny model) and, where CUDA is available, what bench/results reports
@@ -12,11 +12,22 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from . import cli, kernels_gpu, learning, rollout, sglang_sync, train_gpu, trainer_steps, weight_sync
+    from . import (
+        cli,
+        kernels_gpu,
+        learning,
+        rollout,
+        sglang_sync,
+        step_phases,
+        train_gpu,
+        trainer_steps,
+        weight_sync,
+    )
 
     benches = {"cli": cli.main, "rollout": rollout.main, "train-gpu": train_gpu.main,
                "kernels-gpu": kernels_gpu.main, "weight-sync": weight_sync.main, "sglang-sync": sglang_sync.main,
-               "trainer-steps": trainer_steps.main, "learning": learning.main}
+               "trainer-steps": trainer_steps.main, "learning": learning.main,
+               "step-phases": step_phases.main}
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(f"\nbenchmarks: {', '.join(benches)} (each answers --help)")

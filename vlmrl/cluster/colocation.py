@@ -106,7 +106,8 @@ def plan(now: Residency, target: Residency, *, leaves_next: bool = False,
 class Colocation:
     """Carries out `plan` on the engines (`release(tags)` / `resume(tags)`, callables that
     reach every engine) and the trainer group (`offload()` / `onload()` / `trim()`), and times
-    each kind of move (`seconds`, reset by `take_seconds`). The trainer starts a new window of
+    each kind of move and each whole move into a phase, `to_<phase>` (`seconds`, reset by
+    `take_seconds`). The trainer starts a new window of
     its peak-memory statistics at each of its moves, so that a phase's measured peak begins
     where the phase's residency does (`vlmrl.config.memory.measured_phase_peak`)."""
 
@@ -138,6 +139,7 @@ class Colocation:
         leaves_next = name == "sync" and self.offload and self.trainer is not None
         after_training = self.at == "train" and name != "train"
         self.at = name
+        t_move = time.perf_counter()
         for kind, tags in plan(self.now, target, leaves_next=leaves_next, after_training=after_training):
             t0 = time.perf_counter()
             if kind == "release":
@@ -156,6 +158,8 @@ class Colocation:
                 if kind not in ("trim", "stage"):
                     self.now = Residency(self.now.engine, trainer=kind == "onload")
             self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+        # the whole move into phase `name`, so a step's stages can be told from the moves inside them
+        self.seconds[f"to_{name}"] = self.seconds.get(f"to_{name}", 0.0) + time.perf_counter() - t_move
 
     def synced(self) -> None:
         """The engines hold the trainer's weights again (a sync reached them)."""

@@ -74,9 +74,14 @@ perf (seconds unless stated)
   perf/filler_micro_batches     micro-batches with nothing to train on, run so that every rank
                                 runs as many under expert parallelism (an uneven split of the
                                 step's samples over data-parallel ranks)
-  perf/offload_time, perf/onload_time, perf/engine_release_time, perf/engine_resume_time
-                                colocated: the memory moves between trainer and engines (the
-                                step's, the next rollout's offload and resume included)
+  perf/offload_time, perf/onload_time, perf/engine_release_time, perf/engine_resume_time,
+  perf/trim_time                colocated: the memory moves between trainer and engines made
+                                during the step, by kind
+  perf/move_to_<phase>_time     the same moves by the phase they entered: generate (inside
+                                perf/rollout_time), train (inside perf/train_time) and sync
+                                (between training and perf/update_weights_time); the step's
+                                split into generation, training and the rest:
+                                `python -m vlmrl.bench step-phases RUN_DIR`
   perf/offload_stage_time       starting the copy out of the trainer's state before the sync
                                 (trainer.offload_overlap)
   perf/onload_overlapped_copy_time, perf/onload_overlap_wait_time
@@ -135,6 +140,15 @@ PERF_OFFLOAD_TIME = "perf/offload_time"
 PERF_ONLOAD_TIME = "perf/onload_time"
 PERF_ENGINE_RELEASE_TIME = "perf/engine_release_time"
 PERF_ENGINE_RESUME_TIME = "perf/engine_resume_time"
+PERF_TRIM_TIME = "perf/trim_time"
+# the same moves by the phase they entered (vlmrl.bench.step_phases splits a step with them)
+MOVE_PHASES = ("generate", "train", "sync")
+
+
+def perf_move_to(phase: str) -> str:
+    return f"perf/move_to_{phase}_time"
+
+
 # the copy out of the trainer's state started before the sync (trainer.offload_overlap), and
 # the overlapped copy in of its optimizer state: its own length and what the optimizer step
 # waited for it after the backward (vlmrl.training.offload, CUDA events of trainer rank 0)

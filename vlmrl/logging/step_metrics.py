@@ -96,11 +96,12 @@ def rl_step_metrics(*, rollout: Mapping[str, float], sampling: Mapping[str, floa
         "rollout/reward_errors": counts.reward_errors,
         "data/skipped_rows": counts.data_skipped_rows,
     })
-    if moved is not None:  # this step's moves of device memory (the next rollout's included)
+    if moved is not None:  # the moves of device memory made during this step
         out.update({mk.PERF_OFFLOAD_TIME: moved.get("offload", 0.0), mk.PERF_ONLOAD_TIME: moved.get("onload", 0.0),
                     mk.PERF_ENGINE_RELEASE_TIME: moved.get("release", 0.0),
                     mk.PERF_ENGINE_RESUME_TIME: moved.get("resume", 0.0),
-                    mk.PERF_OFFLOAD_STAGE_TIME: moved.get("stage", 0.0)})
+                    mk.PERF_OFFLOAD_STAGE_TIME: moved.get("stage", 0.0), mk.PERF_TRIM_TIME: moved.get("trim", 0.0),
+                    **{mk.perf_move_to(p): moved.get(f"to_{p}", 0.0) for p in mk.MOVE_PHASES}})
     return out
 
 
