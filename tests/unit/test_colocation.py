@@ -107,7 +107,9 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
     assert calls == [("release", ("weights",)), ("stage",), ("trim",), ("resume", ("weights",))]
     assert colo.now == phase("sync", offload=True)
     assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0, "trim": 0.0, "stage": 7.0}
-    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload", "trim", "stage"}
+    # by kind, and by the phase each whole move entered
+    assert set(colo.take_seconds()) == {"release", "resume", "offload", "onload", "trim", "stage",
+                                        "to_generate", "to_train", "to_sync"}
     assert colo.take_seconds() == {}
     with pytest.raises(ValueError, match="unknown phase"):
         colo.to("evaluate")
@@ -182,4 +184,4 @@ def test_engines_that_stay_move_nothing_in_a_step():
         colo.to(name)
     # what the trainer's start and each training left cached goes back to the device, nothing else moves
     assert calls == [("trim",)] * 3 and colo.now == Residency(ALL_TAGS, trainer=True) and not colo.weights_stale
-    assert set(colo.take_seconds()) == {"trim"}
+    assert set(colo.take_seconds()) == {"trim", "to_sync", "to_generate"}  # the trims after training

@@ -139,8 +139,8 @@ class Colocation:
         leaves_next = name == "sync" and self.offload and self.trainer is not None
         after_training = self.at == "train" and name != "train"
         self.at = name
-        t_move = time.perf_counter()
-        for kind, tags in plan(self.now, target, leaves_next=leaves_next, after_training=after_training):
+        moves, t_move = plan(self.now, target, leaves_next=leaves_next, after_training=after_training), time.perf_counter()
+        for kind, tags in moves:
             t0 = time.perf_counter()
             if kind == "release":
                 restarted = self.release(tags)
@@ -158,8 +158,8 @@ class Colocation:
                 if kind not in ("trim", "stage"):
                     self.now = Residency(self.now.engine, trainer=kind == "onload")
             self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
-        # the whole move into phase `name`, so a step's stages can be told from the moves inside them
-        self.seconds[f"to_{name}"] = self.seconds.get(f"to_{name}", 0.0) + time.perf_counter() - t_move
+        if moves:  # the whole move into phase `name`, so a step's stages can be told from the moves inside them
+            self.seconds[f"to_{name}"] = self.seconds.get(f"to_{name}", 0.0) + time.perf_counter() - t_move
 
     def synced(self) -> None:
         """The engines hold the trainer's weights again (a sync reached them)."""
