@@ -41,3 +41,13 @@ def test_the_mean_leaves_out_the_first_steps_and_a_row_without_times_is_named():
         summarise(rows, skip=3)
     with pytest.raises(KeyError, match="step 7.*perf/train_time"):
         split({"step": 7, mk.PERF_STEP_TIME: 1.0, mk.PERF_ROLLOUT_TIME: 0.5})
+
+
+def test_the_command_names_a_run_without_metrics(tmp_path, capsys):
+    from vlmrl.bench.step_phases import main
+
+    assert main([str(tmp_path)]) == 1
+    assert f"no {tmp_path / 'metrics.jsonl'}" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "sft/loss": 1.0}\n')
+    assert main([str(tmp_path)]) == 1
+    assert "no RL steps" in capsys.readouterr().err

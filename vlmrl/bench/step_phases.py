@@ -71,9 +71,12 @@ def summarise(rows: Sequence[Mapping[str, float]], skip: int = 1) -> dict[str, f
 def rl_rows(run_dir: str | Path) -> list[dict[str, float]]:
     from ..logging.metrics import read_metrics
 
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path}")
     rows = [r for r in read_metrics(Path(run_dir)) if "rl_step" in r]
     if not rows:
-        raise ValueError(f"{run_dir}: no RL steps in its metrics.jsonl")
+        raise ValueError(f"no RL steps in {path}")
     return rows
 
 
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             lines += [*table(str(d), rl_rows(d), args.skip), ""]
         except (OSError, ValueError, KeyError) as err:
-            print(f"{d}: {err}", file=sys.stderr)
+            print(f"step-phases: {err}", file=sys.stderr)
             return 1
     text = "\n".join(lines)
     print(text)
