@@ -20,7 +20,7 @@ from .data.prompts import Prompt, encode_prompt, encode_prompt_response
 from .data.sft import sft_response
 from .logging import keys as mk
 from .rollout.manager import RolloutPrompt, SampleRecord
-from .rollout.protocol import decode_routed_experts
+from .rollout.protocol import decode_routed_experts, routed_experts_bytes
 from .training.batch import TrainSample
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,18 @@ def rollout_prompt(prompt: Prompt) -> RolloutPrompt:
     """A dataset prompt as the rollout engines take it: images as data URIs."""
     return RolloutPrompt(index=prompt.index, prompt_text=prompt.prompt_text,
                          images=tuple(encode_data_uri(im) for im in prompt.images), answer=prompt.answer)
+
+
+def routed_experts_tensor(data: str, *, tokens: int, layers: int, topk: int) -> torch.Tensor:
+    """The engine's routed experts of one sample as an int16 [tokens - 1, layers, topk] tensor,
+    read from the wire bytes without a Python list (a step holds millions of ids)."""
+    import sys
+
+    raw = routed_experts_bytes(data, tokens=tokens, layers=layers, topk=topk)
+    if sys.byteorder != "little":  # pragma: no cover
+        return torch.tensor(decode_routed_experts(data, tokens=tokens, layers=layers, topk=topk),
+                            dtype=torch.int16).view(-1, layers, topk)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, layers, topk).to(torch.int16)
 
 
 def train_samples(processor: Any, prompts: Mapping[int, Prompt], records: Sequence[SampleRecord],
@@ -69,13 +81,13 @@ def train_samples(processor: Any, prompts: Mapping[int, Prompt], records: Sequen
         if routing is not None and rec.routed_experts is not None:
             layers, topk = routing
             try:
-                flat = decode_routed_experts(rec.routed_experts, tokens=len(ids) + len(resp), layers=layers, topk=topk)
+                experts = routed_experts_tensor(rec.routed_experts, tokens=len(ids) + len(resp), layers=layers,
+                                                topk=topk)
             except ValueError as e:
                 if not skipped["bad_routed_experts"]:
                     log.warning("row %s: %s; skipping such samples", rec.prompt_index, e)
                 skipped["bad_routed_experts"] += 1
                 continue
-            experts = torch.tensor(flat, dtype=torch.int16).view(-1, layers, topk)
         elif replay:
             if not skipped["no_routed_experts"]:
                 log.warning("row %s: the engine reported no routed experts (algo.routing_replay needs them; "

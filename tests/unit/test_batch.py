@@ -216,6 +216,7 @@ def test_engine_experts_travel_with_their_samples(monkeypatch):
     samples, skipped = train_samples(None, {0: object()}, records, [1.0] * 4, routing=(layers, k), replay=True)
     assert skipped == {"prompt_mismatch": 0, "bad_routed_experts": 1, "no_routed_experts": 1}
     assert [s.routed_experts.shape for s in samples] == [(4, layers, k), (5, layers, k)]
+    assert all(s.routed_experts.dtype == torch.int16 for s in samples)
     assert samples[0].routed_experts.flatten().tolist() == list(range(16))
     kept, _ = train_samples(None, {0: object()}, records[2:3], [1.0], routing=(layers, k), replay=False)
     assert len(kept) == 1 and kept[0].routed_experts is None  # measuring only: kept without them

@@ -298,13 +298,11 @@ def encode_routed_experts(values: Iterable[int]) -> str:
     return base64.b64encode(arr.tobytes()).decode("ascii")
 
 
-def decode_routed_experts(data: str, *, tokens: int, layers: int, topk: int) -> list[int]:
-    """The flat int32 values of `data` (`encode_routed_experts`), checked to hold
+def routed_experts_bytes(data: str, *, tokens: int, layers: int, topk: int) -> bytes:
+    """The little-endian int32 bytes of `data` (`encode_routed_experts`), checked to hold
     [tokens - 1, layers, topk]; raises ValueError naming what is off."""
-    import array
     import base64
     import binascii
-    import sys
 
     try:
         raw = base64.b64decode(data, validate=True)
@@ -312,14 +310,23 @@ def decode_routed_experts(data: str, *, tokens: int, layers: int, topk: int) -> 
         raise ValueError(f"routed_experts is not base64: {e}") from None
     if len(raw) % 4:
         raise ValueError(f"routed_experts holds {len(raw)} bytes, not a whole number of int32")
+    want = max(tokens - 1, 0) * layers * topk
+    if len(raw) // 4 != want:
+        raise ValueError(f"routed_experts holds {len(raw) // 4} ids; {tokens} tokens x {layers} layers x top-{topk} "
+                         f"need {want} ([tokens - 1, layers, top-k])")
+    return raw
+
+
+def decode_routed_experts(data: str, *, tokens: int, layers: int, topk: int) -> list[int]:
+    """The flat int32 values of `data` (`encode_routed_experts`), checked to hold
+    [tokens - 1, layers, topk]; raises ValueError naming what is off."""
+    import array
+    import sys
+
     arr = array.array("i")
-    arr.frombytes(raw)
+    arr.frombytes(routed_experts_bytes(data, tokens=tokens, layers=layers, topk=topk))
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
-    want = max(tokens - 1, 0) * layers * topk
-    if len(arr) != want:
-        raise ValueError(f"routed_experts holds {len(arr)} ids; {tokens} tokens x {layers} layers x top-{topk} "
-                         f"need {want} ([tokens - 1, layers, top-k])")
     return arr.tolist()
 
 
