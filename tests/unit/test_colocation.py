@@ -57,9 +57,10 @@ def test_the_step_s_moves():
     # without offload the trainer stays; the engine's moves are the same
     gen, sync = phase("generate", offload=False), phase("sync", offload=False)
     assert plan(sync, gen) == [("trim", ()), ("resume", ("cuda_graph", "kv_cache"))]
-    # a trainer that leaves after the sync starts copying its state out before anything else
+    # a trainer that leaves after the sync starts copying its state out once it has trimmed: the
+    # trim's cudaFree waits for all the device's work, so after the stage it would wait for the copy
     assert plan(train, phase("sync", offload=True), leaves_next=True) == [
-        ("stage", ()), ("trim", ()), ("resume", ("weights",))]
+        ("trim", ()), ("stage", ()), ("resume", ("weights",))]
     # nothing to stage where the trainer is not on the GPU yet (it comes back in this move)
     assert plan(phase("generate", offload=True), phase("sync", offload=True), leaves_next=True)[0][0] == "release"
 
@@ -101,10 +102,10 @@ def test_colocation_calls_in_order_and_starts_without_a_trainer():
     assert calls == [("release", ("kv_cache", "cuda_graph")), ("onload",)]
     calls.clear()
     colo.to("train")
-    # the trainer stays: its copy out starts (it leaves after the sync), it trims before the
-    # engines' weights come back
+    # the trainer stays: it trims before the engines' weights come back, then its copy out starts
+    # (it leaves after the sync)
     colo.to("sync")
-    assert calls == [("release", ("weights",)), ("stage",), ("trim",), ("resume", ("weights",))]
+    assert calls == [("release", ("weights",)), ("trim",), ("stage",), ("resume", ("weights",))]
     assert colo.now == phase("sync", offload=True)
     assert colo.moved_bytes == {"offload": 10.0, "onload": 10.0, "trim": 0.0, "stage": 7.0}
     # by kind, and by the phase each whole move entered

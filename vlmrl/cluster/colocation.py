@@ -75,26 +75,28 @@ def phase(name: str, *, offload: bool, stay: bool = False) -> Residency:
 
 def plan(now: Residency, target: Residency, *, leaves_next: bool = False,
          after_training: bool = False) -> list[tuple[str, tuple[str, ...]]]:
-    """The calls from `now` to `target`, in order: ("stage", ()), ("release", tags),
-    ("offload", ()), ("trim", ()), ("onload", ()), ("resume", tags). Everything that frees
+    """The calls from `now` to `target`, in order: ("trim", ()), ("stage", ()), ("release", tags),
+    ("offload", ()), ("onload", ()), ("resume", tags). Everything that frees
     memory comes before anything that takes it. A trim comes where the trainer stays on the GPU
     and engines take memory back (train -> sync; train -> generate without offload): what torch
     caches of the trainer's freed activations would otherwise sit beside the engines' weights
     and KV cache; and where it stays after training beside engines that kept everything
-    (`after_training`): the next phases hold no training activations. A stage comes first where the trainer stays but leaves at the phase after
+    (`after_training`): the next phases hold no training activations. The trim comes first: it
+    returns blocks with cudaFree, which waits for all the device's work, a staged copy included.
+    A stage comes next where the trainer stays but leaves at the phase after
     (`leaves_next`: train -> sync with offload): its state starts copying out while the engines
     resume and the sync runs, so that the offload after the sync waits only for the rest."""
     steps: list[tuple[str, tuple[str, ...]]] = []
     release = now.engine - target.engine
     resume = target.engine - now.engine
+    if now.trainer and target.trainer and (resume or after_training):
+        steps.append(("trim", ()))
     if leaves_next and now.trainer and target.trainer:
         steps.append(("stage", ()))
     if release:
         steps.append(("release", tuple(t for t in MEMORY_TAGS if t in release)))
     if now.trainer and not target.trainer:
         steps.append(("offload", ()))
-    if now.trainer and target.trainer and (resume or after_training):
-        steps.append(("trim", ()))
     if target.trainer and not now.trainer:
         steps.append(("onload", ()))
     if resume:
