@@ -161,7 +161,6 @@ class Loop:
             self.logger.log(self.state.sft_steps_done + self.state.step, checkpoint_metrics(saved))
         return path
 
-    # ------------------------------------------------------------ the engines' weights
     def _phase(self, name: str) -> None:
         self.weights.phase(name, self.trainer, self.engine_group)
 
@@ -221,8 +220,9 @@ class Loop:
         version, records = self.weights.version, batch.records
         stale = sum(r.weight_version != version for r in records) if version else 0
         pending = self._overlap_next_rollout()  # async: the next step's rollout, during training
-        advantages = self._advantages(batch)
-        samples, skipped = self._experience(prompts, batch, advantages)
+        t_experience = time.perf_counter()
+        samples, skipped = self._experience(prompts, batch, self._advantages(batch))
+        t_experience = time.perf_counter() - t_experience
         train_metrics, times = self._train(samples)
         if pending is not None:  # engines finish the overlapped rollout before taking new weights
             self._next = pending.result()
@@ -230,7 +230,7 @@ class Loop:
         # graphs return (and the trainer leaves) when the next rollout or eval needs them
         times.sync = self._sync_weights(f"step-{self.state.step + 1}")
         self.memory.ended("sync", self.trainer)
-        times.rollout, times.step = t_rollout, time.perf_counter() - t_step
+        times.rollout, times.experience, times.step = t_rollout, t_experience, time.perf_counter() - t_step
         self.state.train_seconds += times.step  # the whole step: rollout, train, sync
         return self._step_metrics(batch, samples, skipped, stale, train_metrics, times)
 

@@ -68,7 +68,7 @@ def test_run_writes_summary_metrics_and_plots(default_run):
     assert [r["rl_step"] for r in rl] == list(range(1, RL_STEPS + 1))
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/truncated_ratio", "train/loss",
                 "train/pg_clipfrac", "train/entropy", "perf/rollout_time", "perf/train_time",
-                "perf/update_weights_time", "perf/step_time", "perf/tokens_per_gpu_per_sec"):
+                "perf/update_weights_time", "perf/step_time", "perf/tokens_per_gpu_per_sec", "perf/experience_time"):
         assert all(key in r for r in rl), key
     # evaluations: during the warm-up, after it, during GRPO and at the end
     assert [r["step"] for r in rows if "eval/synthetic" in r] == eval_steps(SFT_STEPS, RL_STEPS, EVAL_INTERVAL)

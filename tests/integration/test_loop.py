@@ -254,7 +254,8 @@ def test_colocated_loop_order(tmp_path, cache_dir, monkeypatch):
         assert s["move_generate"] >= r["perf/offload_time"] and s["move_train"] >= r["perf/onload_time"], (s, r)
         assert s["move_sync"] >= r["perf/offload_stage_time"], (s, r)
         assert 0 < s["generate"] <= r["perf/rollout_time"] and 0 < s["train"] < r["perf/train_time"], (s, r)
-        assert s["loop"] >= 0 and abs(s["generate"] + s["train"] + s["outside"] - s["step"]) < 1e-9, (s, r)
+        assert s["experience"] > 0 and s["loop"] >= 0, (s, r)
+        assert abs(s["generate"] + s["train"] + s["outside"] - s["step"]) < 1e-9, (s, r)
     assert step_phases([str(tmp_path / "run"), "--out", str(tmp_path / "phases.md")]) == 0
     assert (tmp_path / "phases.md").read_text().count("\n| ") == 2 + len(rl)  # header, steps, the mean
 

@@ -23,13 +23,14 @@ def test_a_step_without_moves_is_generation_training_and_the_sync():
 
 
 def test_moves_leave_the_stage_they_entered_and_count_outside():
-    row = _row(1, generate=0.3, train=0.4, sync=0.2) | {mk.PERF_ONLOAD_OVERLAP_WAIT_TIME: 0.1}
+    row = _row(1, generate=0.3, train=0.4, sync=0.2) | {mk.PERF_ONLOAD_OVERLAP_WAIT_TIME: 0.1,
+                                                         mk.PERF_EXPERIENCE_TIME: 0.05}
     s = split(row)
     assert s["generate"] == pytest.approx(1.2) and s["train"] == pytest.approx(1.5)
     assert s["outside"] == pytest.approx(4.0 - 1.2 - 1.5)
     assert s["generate"] + s["train"] + s["outside"] == pytest.approx(s["step"])
     # the sync's move sits between training and the sync, in neither stage's clock
-    assert s["loop"] == pytest.approx(s["outside"] - 0.3 - 0.4 - 0.2 - 0.1 - 0.1)
+    assert s["loop"] == pytest.approx(s["outside"] - 0.3 - 0.4 - 0.2 - 0.1 - 0.1 - 0.05)
     assert s["outside_share"] == pytest.approx(s["outside"] / 4.0)
 
 

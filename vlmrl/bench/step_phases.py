@@ -6,7 +6,8 @@ Reads the RL steps of one or more run directories (their metrics.jsonl) and spli
     train     logprobs and optimizer steps less the moves that entered training and what the
               optimizer step waited for the overlapped copy of its state
     outside   the rest of the step: memory moves (into generation, training and the sync),
-              that wait, the weight sync, and the loop's own work between the stages
+              that wait, the weight sync, the trainer's samples built from the rollout, and
+              the loop's other work between the stages
 
 Colocated runs log their moves by phase (`perf/move_to_<phase>_time`); elsewhere nothing
 moves and `outside` is the sync and the loop's own work. Async runs generate while they train,
@@ -30,15 +31,15 @@ from pathlib import Path
 from ..logging import keys as mk
 
 COLUMNS = ("step", "generate", "train", "outside", "move_generate", "move_train", "move_sync", "onload_wait",
-           "sync", "loop")
+           "sync", "experience", "loop")
 
 
 def split(row: Mapping[str, float]) -> dict[str, float]:
     """One RL step's metrics row -> seconds by part (`COLUMNS`) and `outside_share`.
 
     `generate + train + outside == step`; `outside` is the sum of the moves, the onload wait,
-    the sync and `loop` (what the loop did between stages: advantages, the trainer's samples,
-    logging)."""
+    the sync, `experience` (the trainer's samples from the rollout; 0 in runs before it was
+    logged) and `loop` (the rest of the loop's work between the stages: memory probes, logging)."""
     for key in (mk.PERF_STEP_TIME, mk.PERF_ROLLOUT_TIME, mk.PERF_TRAIN_TIME):
         if key not in row:
             raise KeyError(f"step {row.get('step')}: no {key!r}; is this an RL step's row?")
@@ -46,13 +47,14 @@ def split(row: Mapping[str, float]) -> dict[str, float]:
     sync = row.get(mk.PERF_UPDATE_WEIGHTS_TIME, 0.0)
     moves = {p: row.get(mk.perf_move_to(p), 0.0) for p in mk.MOVE_PHASES}
     wait = row.get(mk.PERF_ONLOAD_OVERLAP_WAIT_TIME, 0.0)
+    experience = row.get(mk.PERF_EXPERIENCE_TIME, 0.0)
     generate = rollout - moves["generate"]
     training = train - moves["train"] - wait
     outside = step - generate - training
     out = {"step": step, "generate": generate, "train": training, "outside": outside,
            "move_generate": moves["generate"], "move_train": moves["train"], "move_sync": moves["sync"],
-           "onload_wait": wait, "sync": sync,
-           "loop": outside - moves["generate"] - moves["train"] - moves["sync"] - wait - sync}
+           "onload_wait": wait, "sync": sync, "experience": experience,
+           "loop": outside - moves["generate"] - moves["train"] - moves["sync"] - wait - sync - experience}
     out["outside_share"] = outside / step if step > 0 else 0.0
     return out
 

@@ -44,6 +44,7 @@ class StepTimes:
     """Seconds of an RL step's stages (`logprob` is part of `train`)."""
 
     rollout: float = 0.0
+    experience: float = 0.0  # the trainer's samples from the rollout: advantages, prompts, routed experts
     logprob: float = 0.0
     train: float = 0.0
     sync: float = 0.0
@@ -81,7 +82,7 @@ def rl_step_metrics(*, rollout: Mapping[str, float], sampling: Mapping[str, floa
     skipped = counts.skipped
     out.update({
         mk.PERF_ROLLOUT_TIME: times.rollout, mk.PERF_TRAIN_TIME: times.train, mk.PERF_UPDATE_WEIGHTS_TIME: times.sync,
-        mk.PERF_STEP_TIME: times.step, mk.PERF_LOGPROB_TIME: times.logprob,
+        mk.PERF_STEP_TIME: times.step, mk.PERF_LOGPROB_TIME: times.logprob, mk.PERF_EXPERIENCE_TIME: times.experience,
         mk.PERF_TOKENS_PER_GPU_PER_SEC: tokens / max(times.step, 1e-9) / max(devices, 1),
         mk.PERF_UPDATE_WEIGHTS_GB_PER_S: sync_bytes / max(times.sync, 1e-9) / 1e9,
         **mk.sync_phase_metrics(dict(sync_phases)),
