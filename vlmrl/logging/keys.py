@@ -67,7 +67,7 @@ perf (seconds unless stated)
                                 (the trainer's gather to HF tensors), serialize, engines (the
                                 engines' loading), barrier; perf/update_weights_buckets
   perf/step_time                the whole step, wall clock
-  perf/tokens_per_gpu_per_sec   trained tokens (prompt + response) / train_time / GPUs
+  perf/tokens_per_gpu_per_sec   trained tokens (prompt + response) / step_time / GPUs
   perf/fwd_<kind>_s             forward time of the step's Gated DeltaNet ("gdn"), attention
                                 and MoE blocks (training forwards; backward not split)
   perf/micro_batches            micro-batches of the step's optimizer updates (trainer rank 0)
