@@ -410,6 +410,9 @@ def _kl_reference(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
     trainer.set_reference_to_policy()
     kl_warmup = trainer.train_step(rl)["kl"]  # one optimizer step: every micro-batch sees the reference's weights
     save_checkpoint(trainer, ckpt)
+    import psutil  # the save's writers are gone, and no Manager process was left serving their results
+
+    children = [" ".join(c.cmdline()[:3]) for c in psutil.Process().children(recursive=True)]
     saved = adapters.export_hf_state_dict(trainer.ref_chunks, cfg.model)
     fresh = MegatronTrainer(cfg, path)
     started = adapters.export_hf_state_dict(fresh.ref_chunks, cfg.model)
@@ -417,7 +420,8 @@ def _kl_reference(rank: int, world: int, cfg, path: str, ckpt: str) -> dict:
     loaded = adapters.export_hf_state_dict(fresh.ref_chunks, cfg.model)
     return {"kl_initial": kl_initial, "kl_warmup": kl_warmup, "reference": fresh.reference,
             "loaded_equal": all(bool((saved[k] == loaded[k]).all()) for k in saved),
-            "moved": sum(not bool((saved[k] == started[k]).all()) for k in saved), "keys": len(saved)}
+            "moved": sum(not bool((saved[k] == started[k]).all()) for k in saved), "keys": len(saved),
+            "children": children}
 
 
 def test_kl_reference_is_the_policy_after_the_warm_up_and_checkpointed(tiny_config, tiny_checkpoint, tmp_path):
@@ -428,4 +432,5 @@ def test_kl_reference_is_the_policy_after_the_warm_up_and_checkpointed(tiny_conf
     assert res["kl_initial"] > 1e-4, res
     assert abs(res["kl_warmup"]) < 1e-6, res
     assert res["reference"] == "warmup" and res["loaded_equal"], res
+    assert res["children"] == [], res
     assert res["moved"] > res["keys"] // 2, res  # the saved reference is the warmed-up policy, not the start
