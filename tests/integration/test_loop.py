@@ -26,6 +26,9 @@ SHORT = [
     "data.synthetic.num_train=64", "data.synthetic.num_test=16",
 ]
 
+# where a sync's time went, as rank 0's transport timed it (SGLang's protocol only)
+SYNC_PHASES = [f"perf/update_weights_{p}_s" for p in ("gather_convert", "serialize", "engines", "barrier")]
+
 
 def _config(tmp: Path, cache_dir: str, extra: list[str]) -> object:
     from vlmrl.config import load
@@ -216,29 +219,43 @@ def test_colocated_loop_order(tmp_path, cache_dir, monkeypatch):
     is, so a wrong order fails the run. Colocation is a GPU mode (the config rules refuse
     it with hardware=cpu); this run skips the rules to drive the same loop code on CPU.
 
-    The engine's process dies (SIGKILL) in its second memory release, as SGLang's scheduler
-    has: the group restarts it, makes it give back what the others gave back, and the loop
-    syncs it the trainer's weights before it generates again, so every later sample still
-    matches the trainer's logprobs; the restart is counted."""
+    The engine's process is killed twice (SIGKILL), with direct Ray calls to its actor:
+    - mid-way through step 1's rollout: the manager sees it down, the loop starts a new engine,
+      which gives back its KV cache while the trainer comes onto the GPU to sync it the current
+      weights and leaves again; the lost requests are retried there and every group completes;
+    - the restarted process in its second memory release (step 1's move into training), as
+      SGLang's scheduler has: the group restarts it, makes it give back what the others gave
+      back, and the loop syncs it the trainer's weights before it generates again.
+    Every sample still matches the trainer's logprobs (none came from stale or initial weights)
+    and carries the synced weight version; both restarts and the retries are counted in step 1.
+    The same over SGLang's protocol, with a sync that dies too, is a test below."""
     from vlmrl.config import load
     from vlmrl.config.memory import trainer_offload
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
-    from vlmrl.rollout.faults import KILL_ENGINE_ON_RELEASE_ENV
+    from vlmrl.rollout.faults import KILL_ENGINE_ENV, KILL_ENGINE_ON_RELEASE_ENV
 
-    marker = tmp_path / "killed-in-release"
-    monkeypatch.setenv(KILL_ENGINE_ON_RELEASE_ENV, f"2:{marker}")
+    in_release, mid_rollout = tmp_path / "killed-in-release", tmp_path / "killed-mid-rollout"
+    monkeypatch.setenv(KILL_ENGINE_ON_RELEASE_ENV, f"2:{in_release}")
+    # 8 eval requests come first; the 12th is in step 1's rollout of 4 x 4
+    monkeypatch.setenv(KILL_ENGINE_ENV, f"12:{mid_rollout}")
     # trainer.offload=true: the loop makes every trainer move of a GPU run (the copy out staged
     # before the sync, offload, onload) through the Ray workers; a CPU rank answers "off"
     cfg = load([f"run_dir={tmp_path / 'run'}", f"model.cache_dir={cache_dir}", *SHORT, "save_hf=false",
-                "cluster.colocate=true", "trainer.offload=true"], check_rules=False)
+                "cluster.colocate=true", "trainer.offload=true", "rollout.max_retries=4"], check_rules=False)
     assert cfg.cluster.colocate and trainer_offload(cfg)
     summary = train(cfg)
-    assert marker.exists()  # the engine did die in a release
+    assert in_release.exists() and mid_rollout.exists()  # the engine did die, twice
+    assert in_release.read_text() != mid_rollout.read_text()  # (two processes: their pids)
     assert summary["rl_steps"] == 2
     rl = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
-    assert all(r["train/train_rollout_logprob_abs_diff"] <= 1e-5 for r in rl), rl
-    assert sum(r["rollout/engine_restarts"] for r in rl) == 1, rl
+    assert [r["rollout/engine_restarts"] for r in rl] == [2, 0] and rl[0]["rollout/retries"] >= 1, rl
+    for r in rl:
+        assert r["train/train_rollout_logprob_abs_diff"] <= 1e-5, rl
+        assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0, rl
+        assert r["rollout/prompt_mismatch_samples"] == 0, rl
+        # the sync's phases are timed by the HTTP transport only (the SGLang-protocol test below)
+        assert not any(k in r for k in [*SYNC_PHASES, "perf/update_weights_buckets"]), r
     # every step moved the trainer in for training and staged its copy out before the sync; the second
     # step moved it out before its rollout (the first found it out: the evaluation after the warm-up
     # had moved it, and a step's row holds the moves made in the step)
@@ -406,37 +423,6 @@ def test_a_format_requirement_shapes_the_training_reward_not_the_evaluation(tmp_
     finally:
         loop.pool.close()
 
-
-# where a sync's time went, as rank 0's transport timed it (SGLang's protocol only)
-SYNC_PHASES = [f"perf/update_weights_{p}_s" for p in ("gather_convert", "serialize", "engines", "barrier")]
-
-
-def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path, cache_dir, monkeypatch):
-    """kill -9 of the engine process while step 1's rollout is in flight (direct Ray calls to
-    the engine's actor): the manager sees it down, the loop starts a new engine and syncs it the
-    trainer's weights, the lost requests are retried there, and every group of the step
-    completes; the restart and the retries are logged. The samples after the restart carry the
-    synced weight version and match the trainer's logprobs: no sample came from stale or initial
-    weights. The same over SGLang's protocol, with a sync that dies too, is the test below."""
-    from vlmrl.logging.metrics import read_metrics
-    from vlmrl.loop import train
-    from vlmrl.rollout.faults import KILL_ENGINE_ENV
-
-    marker = tmp_path / "engine-killed"
-    # 8 eval requests come first; the 12th request is in step 1's rollout of 4 x 4
-    monkeypatch.setenv(KILL_ENGINE_ENV, f"12:{marker}")
-    train(_config(tmp_path / "run", cache_dir, ["save_hf=false", "rollout.max_retries=4"]))
-    assert marker.exists()  # the engine process did die
-    rows = [r for r in read_metrics(tmp_path / "run") if "rl_step" in r]
-    assert [r["rl_step"] for r in rows] == [1, 2]
-    assert rows[0]["rollout/engine_restarts"] == 1 and rows[0]["rollout/retries"] >= 1
-    assert rows[1]["rollout/engine_restarts"] == 0
-    for r in rows:
-        assert r["rollout/dropped_groups"] == 0 and r["rollout/stale_samples"] == 0
-        assert r["rollout/prompt_mismatch_samples"] == 0
-        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
-        # the sync's phases are timed by the HTTP transport only (the test below)
-        assert not any(k in r for k in [*SYNC_PHASES, "perf/update_weights_buckets"])
 
 
 def test_engine_killed_in_a_sync_and_mid_rollout_over_sglangs_protocol_under_tensor_parallelism(
