@@ -129,43 +129,6 @@ def test_sft_algorithm_runs_through_the_same_entry(tmp_path, cache_dir):
     assert [r["step"] for r in rows if "sft/loss" in r] == [1, 2]
 
 
-def test_async_rollout_trains_one_step_off_policy(tmp_path, cache_dir):
-    """With cluster.async_rollout the next rollout overlaps training: from step 2 on the
-    samples come from the weights before the last update. PPO's old policy is recomputed by
-    the trainer (so one optimizer step per rollout stays exactly on-policy: ppo_kl 0), and
-    the off-policy gap shows where it belongs: the train/rollout logprob mismatch and the
-    TIS weights move off the values of the run's first step, whose rollout had no training
-    to overlap (synchronous: the default run keeps those values at every step, test_learning),
-    and masked importance sampling (algo.mis) drops tokens only then."""
-    from vlmrl.logging.metrics import read_metrics
-    from vlmrl.loop import train
-
-    # the RL rewards are all 0 here: the weights move on the SFT step's Adam moments, which a
-    # full SFT batch of 32 makes large enough for the off-policy gap to show; no KL term, whose
-    # pull back to the warm-up policy would shrink that gap
-    train(_config(tmp_path, cache_dir, ["trainer.global_batch_size=16", "save_hf=false", "num_steps=3",
-                                        "algo.kl_coef=0",
-                                        "algo.sft_steps=1", "algo.sft_batch_size=32", "algo.tis=true",
-                                        "algo.mis=token", "algo.mis_low=0.999", "algo.mis_high=1.001",
-                                        "cluster.async_rollout=true"]))
-    rows = [r for r in read_metrics(tmp_path) if "rl_step" in r]
-    assert [r["rl_step"] for r in rows] == [1, 2, 3]
-    assert all(r["train/ppo_kl"] == 0.0 for r in rows)
-    diff = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
-    tis = [abs(r["train/tis_mean"] - 1.0) for r in rows]
-    # step 1, engine vs trainer numerics only: the same weights generated and scored
-    assert diff[0] < 1e-5 and tis[0] < 1e-3, (diff, tis)
-    # one step off-policy: the rollout's weights are one update behind the trainer's
-    assert min(diff[1:]) > 1e-3, diff
-    assert min(tis[1:]) > 1e-3, tis
-    # MIS with a band of +-0.1%: nothing masked on-policy, the farthest tokens masked off-policy
-    mis = [r["train/mis_masked_frac"] for r in rows]
-    assert mis[0] == 0.0 and min(mis[1:]) > 0.0 and max(mis) < 1.0, mis
-    # the engines report the weight version of each sample: staleness is tracked
-    samples = 4 * 4  # rollout.batch_size x n_samples_per_prompt
-    assert [r["rollout/stale_samples"] for r in rows] == [0, samples, samples]
-
-
 def test_placement_bundles_follow_the_layout():
     from vlmrl.cluster.placement import bundles
     from vlmrl.config import compute_layout, load
@@ -519,14 +482,22 @@ def test_all_equal_groups_leave_the_policy_exactly_where_it_was(tmp_path, cache_
     assert not moved, moved[:5]
 
 
-def test_dynamic_sampling_async_and_resumed_draws_what_it_would_have(tmp_path, cache_dir, monkeypatch):
-    """Dynamic sampling in the loop, in async mode (the next step's rounds are drawn while this
-    step trains): each step trains on rollout.batch_size kept groups drawn over up to three
-    rounds, logs its sampling figures, and the groups it trains on are the informative ones. A
-    run resumed from the checkpoint after step 1 starts step 2's rollout where the
-    uninterrupted run did (the overlapped rollout had drawn past it): the same prompts first.
-    The reward is the coin-flip control, scored inline, so about one group in eight of four
-    replies is all-equal."""
+def test_async_rollout_with_dynamic_sampling_trains_off_policy_and_resumes_its_draws(tmp_path, cache_dir,
+                                                                                      monkeypatch):
+    """With cluster.async_rollout the next rollout overlaps training: from step 2 on the
+    samples come from the weights before the last update. PPO's old policy is recomputed by
+    the trainer (so one optimizer step per rollout stays exactly on-policy: ppo_kl 0), and
+    the off-policy gap shows where it belongs: the train/rollout logprob mismatch and the
+    TIS weights move off the values of the run's first step, whose rollout had no training
+    to overlap (synchronous: the default run keeps those values at every step, test_learning),
+    and masked importance sampling (algo.mis) drops tokens only then.
+
+    Dynamic sampling in the same run (the next step's rounds are drawn while this step trains):
+    each step trains on rollout.batch_size kept groups drawn over up to three rounds, logs its
+    sampling figures, and the groups it trains on are the informative ones. A run resumed from
+    the checkpoint after step 1 starts step 2's rollout where the uninterrupted run did (the
+    overlapped rollout had drawn past it): the same prompts first. The reward is the coin-flip
+    control, scored inline, so about one group in eight of four replies is all-equal."""
     from vlmrl.data.prompts import PromptDataset
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import Loop, train
@@ -547,13 +518,33 @@ def test_dynamic_sampling_async_and_resumed_draws_what_it_would_have(tmp_path, c
 
     monkeypatch.setattr(Loop, "_rollout", spy_rollout)
     monkeypatch.setattr(PromptDataset, "sample_batch", spy_draw)
+    # one optimizer step a rollout (16 samples); a full SFT batch of 32 makes the warm-up's Adam
+    # moments large enough for the off-policy gap to show; no KL term, whose pull back to the
+    # warm-up policy would shrink that gap
     dynamic = ["reward=coin_flip", "reward.num_workers=0", "algo.filter_groups=equal_reward",
                "rollout.oversample=1.5", "rollout.max_rounds=3", "cluster.async_rollout=true", "save_hf=false",
-               "save_interval=1"]
+               "save_interval=1", "num_steps=3", "trainer.global_batch_size=16", "algo.kl_coef=0", "algo.sft_steps=1",
+               "algo.sft_batch_size=32", "algo.tis=true", "algo.mis=token", "algo.mis_low=0.9",
+               "algo.mis_high=1.1"]
     straight = tmp_path / "straight"
     train(_config(straight, cache_dir, dynamic))
     rows = [r for r in read_metrics(straight) if "rl_step" in r]
-    assert [r["rl_step"] for r in rows] == [1, 2]
+    assert [r["rl_step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/ppo_kl"] == 0.0 for r in rows)
+    diff = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
+    tis = [abs(r["train/tis_mean"] - 1.0) for r in rows]
+    # step 1, engine vs trainer numerics only: the same weights generated and scored
+    assert diff[0] < 1e-5 and tis[0] < 1e-3, (diff, tis)
+    # one step off-policy: the rollout's weights are one update behind the trainer's
+    assert min(diff[1:]) > 1e-3, diff
+    assert min(tis[1:]) > 1e-3, tis
+    # MIS with a band of +-10% (the coin-flip reward trains every step, so the policy moves far): nothing
+    # masked on-policy, the farthest tokens masked off-policy
+    mis = [r["train/mis_masked_frac"] for r in rows]
+    assert mis[0] == 0.0 and min(mis[1:]) > 0.0 and max(mis) < 1.0, mis
+    # the engines report the weight version of each sample: staleness is tracked
+    samples = 4 * 4  # rollout.batch_size x n_samples_per_prompt
+    assert [r["rollout/stale_samples"] for r in rows] == [0, samples, samples]
     for r in rows:
         assert r["rollout/kept_groups"] == 4 and r["rollout/sampling_bound_hit"] == 0, r
         assert r["rollout/prompts_drawn"] >= 6 and 1 <= r["rollout/sampling_rounds"] <= 3, r
@@ -572,7 +563,7 @@ def test_dynamic_sampling_async_and_resumed_draws_what_it_would_have(tmp_path, c
     draws.clear()
     current.clear()
     resumed = tmp_path / "resumed"
-    checkpoint = straight / "checkpoints" / "step_000003"  # 2 SFT steps + RL step 1
+    checkpoint = straight / "checkpoints" / "step_000002"  # 1 SFT step + RL step 1
     train(_config(resumed, cache_dir, [*dynamic, f"resume={checkpoint}"]))
-    assert [r["rl_step"] for r in read_metrics(resumed) if "rl_step" in r] == [2]
+    assert [r["rl_step"] for r in read_metrics(resumed) if "rl_step" in r] == [2, 3]
     assert draws[0] == (1, first_of_step2)
