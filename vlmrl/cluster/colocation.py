@@ -109,9 +109,9 @@ class Colocation:
     """Carries out `plan` on the engines (`release(tags)` / `resume(tags)`, callables that
     reach every engine) and the trainer group (`offload()` / `onload()` / `trim()`), and times
     each kind of move and each whole move into a phase, `to_<phase>` (`seconds`, reset by
-    `take_seconds`). The trainer starts a new window of
-    its peak-memory statistics at each of its moves, so that a phase's measured peak begins
-    where the phase's residency does (`vlmrl.config.memory.measured_phase_peak`)."""
+    `take_seconds`). The trainer starts a new window of its peak-memory statistics at each of
+    its moves, so that a phase's measured peak begins where the phase's residency does
+    (`vlmrl.config.memory.measured_phase_peak`)."""
 
     release: Callable[[tuple[str, ...]], Any]  # returns the engines it restarted (or None)
     resume: Callable[[tuple[str, ...]], Any]
@@ -141,7 +141,8 @@ class Colocation:
         leaves_next = name == "sync" and self.offload and self.trainer is not None
         after_training = self.at == "train" and name != "train"
         self.at = name
-        moves, t_move = plan(self.now, target, leaves_next=leaves_next, after_training=after_training), time.perf_counter()
+        moves = plan(self.now, target, leaves_next=leaves_next, after_training=after_training)
+        t_move = time.perf_counter()
         for kind, tags in moves:
             t0 = time.perf_counter()
             if kind == "release":
