@@ -535,9 +535,11 @@ def test_async_rollout_with_dynamic_sampling_trains_off_policy_and_resumes_its_d
     tis = [abs(r["train/tis_mean"] - 1.0) for r in rows]
     # step 1, engine vs trainer numerics only: the same weights generated and scored
     assert diff[0] < 1e-5 and tis[0] < 1e-3, (diff, tis)
-    # one step off-policy: the rollout's weights are one update behind the trainer's
+    # one step off-policy: the rollout's weights are one update behind the trainer's, and the TIS
+    # weights move off 1 (their mean: weights above and below 1 partly cancel; 8e-8 on-policy,
+    # 7.5e-4 to 4.8e-3 off it on two machines' thread counts)
     assert min(diff[1:]) > 1e-3, diff
-    assert min(tis[1:]) > 1e-3, tis
+    assert min(tis[1:]) > 1e-4, tis
     # MIS with a band of +-10% (the coin-flip reward trains every step, so the policy moves far): nothing
     # masked on-policy, the farthest tokens masked off-policy
     mis = [r["train/mis_masked_frac"] for r in rows]
