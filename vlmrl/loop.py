@@ -315,7 +315,7 @@ class Loop:
 
     def _step_metrics(self, batch: StepRollout, samples: list[Any], skipped: dict[str, int], stale: int,
                       train_metrics: list[dict[str, float]], times: StepTimes) -> dict[str, float]:
-        cfg, colo = self.cfg, self.weights.colo
+        cfg = self.cfg
         counts = StepCounts(
             dropped_groups=batch.stats.dropped_groups, retries=batch.stats.retries,
             engine_restarts=batch.stats.engine_restarts + self.weights.take_restarts(),
@@ -329,7 +329,7 @@ class Loop:
             train_metrics=train_metrics, tokens=sum(s.num_tokens for s in samples),
             devices=max(cfg.cluster.num_gpus, cfg.cluster.num_cpu_ranks, 1), times=times,
             sync_bytes=self.weights.last_bytes, sync_phases=self.weights.last_phases, counts=counts,
-            moved=colo.take_seconds() if colo is not None else None)
+            moved=self.weights.take_moves())
         return {**metrics, **self.memory.take()}
 
     # ------------------------------------------------------------ driver

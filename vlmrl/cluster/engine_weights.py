@@ -66,10 +66,10 @@ class EngineWeights:
             self.colo.synced()
         return seconds
 
-    def take_moves(self) -> dict[str, float]:
+    def take_moves(self) -> dict[str, float] | None:
         """Colocated: the seconds of the memory moves since the last call, by kind and by phase
-        entered (`Colocation.take_seconds`); empty otherwise."""
-        return self.colo.take_seconds() if self.colo is not None else {}
+        entered (`Colocation.take_seconds`); None where nothing is colocated."""
+        return self.colo.take_seconds() if self.colo is not None else None
 
     def take_restarts(self) -> int:
         """Engines restarted since the last call: in a sync, and (colocated) in a memory move."""
