@@ -170,9 +170,7 @@ class Loop:
     # ------------------------------------------------------------ phases
     def evaluate(self) -> dict[str, float]:
         self._phase("generate")
-        prompts = list(self.test_data)
-        if self.cfg.rollout.eval.max_prompts:
-            prompts = prompts[: self.cfg.rollout.eval.max_prompts]
+        prompts = list(self.test_data)[: self.cfg.rollout.eval.max_prompts or None]  # 0 / null: all of them
         batch = self.evaluator.run([rollout_prompt(p) for p in prompts], step=self.state.step, description="eval")
         answers = {p.index: p.answer for p in prompts}
         rewards = self.eval_pool.score([r.text for r in batch.records],
@@ -407,7 +405,8 @@ class Loop:
                 if cfg.max_train_seconds and self.state.train_seconds >= cfg.max_train_seconds:
                     print(f"stopping: training time {self.state.train_seconds:.0f}s reached max_train_seconds")
                     break
-                metrics = self.rl_step()
+                with self.trainer.profiled(self.state.step + 1):  # trainer.profile_steps: a torch.profiler trace
+                    metrics = self.rl_step()
                 self.state.step += 1
                 if cfg.eval_interval and self.state.step % cfg.eval_interval == 0:
                     ev = self.evaluate()

@@ -38,7 +38,7 @@ def test_the_mean_leaves_out_the_first_steps_and_a_row_without_times_is_named():
     rows = [_row(1, generate=2.0), _row(2, generate=0.5), _row(3, generate=0.3)]
     m = summarise(rows, skip=1)
     assert m["steps"] == 2 and m["move_generate"] == pytest.approx(0.4)
-    with pytest.raises(ValueError, match="after the first 3"):
+    with pytest.raises(ValueError, match="untraced RL steps after the first 3"):
         summarise(rows, skip=3)
     with pytest.raises(KeyError, match="step 7.*perf/train_time"):
         split({"step": 7, mk.PERF_STEP_TIME: 1.0, mk.PERF_ROLLOUT_TIME: 0.5})
@@ -52,3 +52,22 @@ def test_the_command_names_a_run_without_metrics(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "sft/loss": 1.0}\n')
     assert main([str(tmp_path)]) == 1
     assert "no RL steps" in capsys.readouterr().err
+
+
+def test_traced_steps_are_marked_and_left_out_of_the_mean(tmp_path):
+    """A step traced with torch.profiler (`trainer.profile_steps`, its profile/rl_step_<n> folder)
+    runs slower: shown, marked, and not averaged."""
+    import json
+
+    from vlmrl.bench.step_phases import main
+
+    rows = [_row(1), _row(2, generate=0.5), _row(3, generate=0.3), _row(4, generate=3.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "profile" / "rl_step_4").mkdir(parents=True)
+    (tmp_path / "profile" / "notes").mkdir()  # not a step's folder
+    out = tmp_path / "phases.md"
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| 4 (traced) |" in text and "| 3 |" in text
+    mean = next(line for line in text.splitlines() if line.startswith("| mean of 2 (after 1, untraced)"))
+    assert mean.split(" | ")[5] == "0.400"  # move_generate: steps 2 and 3 only

@@ -17,7 +17,8 @@ so their steps do not split this way.
 
 Prints, per run, a row per step and the mean of the steps after the first `--skip` (the first
 step compiles and warms caches), with the share of the step spent outside generation and
-training.
+training. Steps traced with torch.profiler (`trainer.profile_steps`: the run's profile/rl_step_<n>
+folders) are shown, marked, and left out of the mean: tracing slows them.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ def split(row: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def summarise(rows: Sequence[Mapping[str, float]], skip: int = 1) -> dict[str, float]:
-    """The mean of each part over the steps after the first `skip`; the share is that of the means."""
-    parts = [split(r) for r in rows][skip:]
+def summarise(rows: Sequence[Mapping[str, float]], skip: int = 1, traced: frozenset[int] = frozenset()
+              ) -> dict[str, float]:
+    """The mean of each part over the steps after the first `skip`, less the `traced` RL steps;
+    the share is that of the means."""
+    parts = [split(r) for r in rows[skip:] if int(r["rl_step"]) not in traced]
     if not parts:
-        raise ValueError(f"no RL steps after the first {skip}")
+        raise ValueError(f"no untraced RL steps after the first {skip}")
     mean = {c: statistics.fmean(p[c] for p in parts) for c in COLUMNS}
     mean["outside_share"] = mean["outside"] / mean["step"] if mean["step"] > 0 else 0.0
     mean["steps"] = len(parts)
@@ -82,16 +85,24 @@ def rl_rows(run_dir: str | Path) -> list[dict[str, float]]:
     return rows
 
 
-def table(name: str, rows: Sequence[Mapping[str, float]], skip: int = 1) -> list[str]:
-    """Markdown lines: one row per step, then the mean of the steps after the first `skip`."""
+def traced_steps(run_dir: str | Path) -> frozenset[int]:
+    """The RL steps a run traced with torch.profiler (its profile/rl_step_<n> folders)."""
+    found = Path(run_dir, "profile").glob("rl_step_*")
+    return frozenset(int(p.name.rsplit("_", 1)[1]) for p in found if p.name.rsplit("_", 1)[1].isdigit())
+
+
+def table(name: str, rows: Sequence[Mapping[str, float]], skip: int = 1,
+          traced: frozenset[int] = frozenset()) -> list[str]:
+    """Markdown lines: one row per step, then the mean of the untraced steps after the first `skip`."""
     head = ["rl step", *COLUMNS, "outside share"]
     lines = [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        s = split(r)
-        lines.append(f"| {int(r['rl_step'])} | " + " | ".join(f"{s[c]:.3f}" for c in COLUMNS)
+        s, n = split(r), int(r["rl_step"])
+        lines.append(f"| {n}{' (traced)' if n in traced else ''} | " + " | ".join(f"{s[c]:.3f}" for c in COLUMNS)
                      + f" | {s['outside_share']:.1%} |")
-    m = summarise(rows, skip)
-    lines.append(f"| mean of {m['steps']:.0f} (after {skip}) | " + " | ".join(f"{m[c]:.3f}" for c in COLUMNS)
+    m = summarise(rows, skip, traced)
+    left = f"after {skip}" + (", untraced" if traced else "")
+    lines.append(f"| mean of {m['steps']:.0f} ({left}) | " + " | ".join(f"{m[c]:.3f}" for c in COLUMNS)
                  + f" | {m['outside_share']:.1%} |")
     return lines
 
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
              + " ".join(args.run_dirs) + f" --skip {args.skip}`)", ""]
     for d in args.run_dirs:
         try:
-            lines += [*table(str(d), rl_rows(d), args.skip), ""]
+            lines += [*table(str(d), rl_rows(d), args.skip, traced_steps(d)), ""]
         except (OSError, ValueError, KeyError) as err:
             print(f"step-phases: {err}", file=sys.stderr)
             return 1

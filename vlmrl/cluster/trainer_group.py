@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..config.layout import Layout, compute_layout
@@ -52,6 +53,7 @@ class TrainerWorker:
         self.last_sync_phases: dict[str, float] = {}
         self.rank = rank
         self.trainer: Any = None
+        self._profiler: Any = None  # torch.profiler.profile while a step is traced
 
     def node_ip(self) -> str:
         return socket.gethostbyname(socket.gethostname())
@@ -148,6 +150,19 @@ class TrainerWorker:
     def trim(self) -> dict[str, float]:
         """Return torch's cached free blocks to the device (see `MegatronTrainer.trim`)."""
         return self.trainer.trim()
+
+    def profile_start(self) -> None:
+        """Start this rank's torch.profiler trace (`vlmrl.training.profile`)."""
+        from ..training import profile
+
+        self._profiler = profile.start()
+
+    def profile_stop(self, out_dir: str) -> dict[str, str]:
+        """Stop the trace and write it under `out_dir`; returns the files' paths."""
+        from ..training import profile
+
+        prof, self._profiler = self._profiler, None
+        return profile.stop(prof, out_dir, self.rank)
 
     def start_rl_schedule(self, steps: int) -> float:
         return self.trainer.start_rl_schedule(steps)
@@ -324,6 +339,23 @@ class TrainerGroup:
 
         with self._collective():
             return ray.get([w.trim.remote() for w in self.workers])[0]
+
+    @contextlib.contextmanager
+    def profiled(self, rl_step: int) -> Iterator[Path | None]:
+        """Every rank traces what it does inside the block with torch.profiler when
+        `trainer.profile_steps` names RL step `rl_step`, and writes its trace to
+        run_dir/profile/rl_step_<n>/ (`vlmrl.training.profile`); yields that folder, or None."""
+        import ray
+
+        if rl_step not in self.cfg.trainer.profile_steps:
+            yield None
+            return
+        out = Path(self.cfg.run_dir) / "profile" / f"rl_step_{rl_step}"
+        ray.get([w.profile_start.remote() for w in self.workers])
+        try:
+            yield out
+        finally:
+            ray.get([w.profile_stop.remote(str(out)) for w in self.workers])
 
     def start_rl_schedule(self, steps: int) -> float:
         """Every rank switches to the RL phase's learning-rate schedule (`trainer.optim.rl_lr`);

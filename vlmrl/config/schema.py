@@ -351,6 +351,10 @@ class TrainerConfig(Sealable):
     # forward and backward run (the optimizer step waits for it) and goes out while the weight
     # sync runs; false: both copies are made inside the onload and the offload, in the open
     offload_overlap: bool = True
+    # RL steps (1-based) that every trainer rank traces with torch.profiler, from the step's
+    # start to the end of its weight sync: run_dir/profile/rl_step_<n>/rank<r>.json.gz (Chrome
+    # trace) and rank<r>.txt (the costliest operators); empty: none
+    profile_steps: list[int] = field(default_factory=list)
     # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
     moe_aux_loss_coeff: float = 0.0
     # MoE router logits: fp32 (Megatron's float32 router) | engine (in the model's dtype, as
