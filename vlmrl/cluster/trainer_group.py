@@ -344,7 +344,9 @@ class TrainerGroup:
     def profiled(self, rl_step: int) -> Iterator[Path | None]:
         """Every rank traces what it does inside the block with torch.profiler when
         `trainer.profile_steps` names RL step `rl_step`, and writes its trace to
-        run_dir/profile/rl_step_<n>/ (`vlmrl.training.profile`); yields that folder, or None."""
+        run_dir/profile/rl_step_<n>/ (`vlmrl.training.profile`); yields that folder, or None.
+        A trace that cannot be written is reported and the run goes on: it observes the step,
+        the step does not need it."""
         import ray
 
         if rl_step not in self.cfg.trainer.profile_steps:
@@ -355,7 +357,10 @@ class TrainerGroup:
         try:
             yield out
         finally:
-            ray.get([w.profile_stop.remote(str(out)) for w in self.workers])
+            try:
+                ray.get([w.profile_stop.remote(str(out)) for w in self.workers])
+            except Exception as err:  # noqa: BLE001 - a rank's error, as Ray raises it
+                print(f"warning: the trace of RL step {rl_step} was not written to {out}: {err}", flush=True)
 
     def start_rl_schedule(self, steps: int) -> float:
         """Every rank switches to the RL phase's learning-rate schedule (`trainer.optim.rl_lr`);
