@@ -25,6 +25,7 @@ from .cluster.engine_weights import EngineWeights
 from .cluster.phase_memory import PhaseMemory
 from .cluster.placement import create_placement
 from .cluster.ray_cluster import ray_cluster
+from .cluster.step_profile import profiled_step
 from .cluster.trainer_group import TrainerGroup
 from .config import config_notes
 from .config.layout import compute_layout, returns_routed_experts, scheduled_steps
@@ -405,7 +406,7 @@ class Loop:
                 if cfg.max_train_seconds and self.state.train_seconds >= cfg.max_train_seconds:
                     print(f"stopping: training time {self.state.train_seconds:.0f}s reached max_train_seconds")
                     break
-                with self.trainer.profiled(self.state.step + 1):  # trainer.profile_steps: a torch.profiler trace
+                with profiled_step(cfg.profile_steps, self.run_dir, self.state.step + 1, self.trainer):
                     metrics = self.rl_step()
                 self.state.step += 1
                 if cfg.eval_interval and self.state.step % cfg.eval_interval == 0:

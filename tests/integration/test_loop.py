@@ -158,13 +158,13 @@ def test_loop_with_model_parallel_trainer(tmp_path, cache_dir, layout):
     """Two trainer ranks that split the model (TP, PP) or the sequence (CP): the loop trains, the gathered
     weights reach the engine (its logprobs equal the trainer's after each sync) and the
     sharded checkpoint is written. The second step is traced on both ranks
-    (`trainer.profile_steps`)."""
+    (`profile_steps`)."""
     from vlmrl.logging.metrics import read_metrics
     from vlmrl.loop import train
     from vlmrl.training.checkpoint import find_latest
 
     summary = train(_config(tmp_path, cache_dir, ["cluster.num_cpu_ranks=2", "save_hf=false", "save_interval=2",
-                                                  "trainer.profile_steps=[2]", *layout]))
+                                                  "profile_steps=[2]", *layout]))
     # the traced step alone, each rank's trace naming the trainer's phases, and its operator table
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rl_step_2"]
     for rank in (0, 1):
@@ -172,6 +172,9 @@ def test_loop_with_model_parallel_trainer(tmp_path, cache_dir, layout):
             names = {e.get("name") for e in json.load(f)["traceEvents"]}
         assert {"vlmrl.forward_backward", "vlmrl.optimizer_step"} <= names, rank
         assert "Self CPU" in (tmp_path / "profile" / "rl_step_2" / f"rank{rank}.txt").read_text()
+    # the driver's loop: the step's stages among its costliest functions
+    driver = (tmp_path / "profile" / "rl_step_2" / "driver.txt").read_text()
+    assert all(f"({name})" in driver for name in ("rl_step", "_experience", "_train", "_sync_weights")), driver
     assert summary["rl_steps"] == 2
     # rank 0's start, part by part, in the summary (and its file)
     start = json.loads((tmp_path / "summary.json").read_text())["trainer_start_s"]

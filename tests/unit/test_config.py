@@ -205,6 +205,7 @@ INVALID = [
     (["algo.kl_type=k9"], "enum", "k9"),
     (["algo.kl_reference=final"], "enum", "final"),
     (["logger.eval_samples=-1"], "positive", "logger.eval_samples=-1"),
+    (["profile_steps=[2,0]"], "positive", "profile_steps=[2, 0]"),
     (["algo.mis=tokens"], "enum", "tokens"),
     (["algo.mis=token", "algo.mis_high=0.9"], "mis-band", "0 < mis_low < 1 < mis_high"),
     (["rollout.temperature=0"], "rollout-temperature", "GRPO learns nothing"),

@@ -55,7 +55,7 @@ def test_the_command_names_a_run_without_metrics(tmp_path, capsys):
 
 
 def test_traced_steps_are_marked_and_left_out_of_the_mean(tmp_path):
-    """A step traced with torch.profiler (`trainer.profile_steps`, its profile/rl_step_<n> folder)
+    """A step traced with torch.profiler (`profile_steps`, its profile/rl_step_<n> folder)
     runs slower: shown, marked, and not averaged."""
     import json
 

@@ -17,7 +17,7 @@ so their steps do not split this way.
 
 Prints, per run, a row per step and the mean of the steps after the first `--skip` (the first
 step compiles and warms caches), with the share of the step spent outside generation and
-training. Steps traced with torch.profiler (`trainer.profile_steps`: the run's profile/rl_step_<n>
+training. Steps traced with torch.profiler (`profile_steps`: the run's profile/rl_step_<n>
 folders) are shown, marked, and left out of the mean: tracing slows them.
 """
 

@@ -340,27 +340,17 @@ class TrainerGroup:
         with self._collective():
             return ray.get([w.trim.remote() for w in self.workers])[0]
 
-    @contextlib.contextmanager
-    def profiled(self, rl_step: int) -> Iterator[Path | None]:
-        """Every rank traces what it does inside the block with torch.profiler when
-        `trainer.profile_steps` names RL step `rl_step`, and writes its trace to
-        run_dir/profile/rl_step_<n>/ (`vlmrl.training.profile`); yields that folder, or None.
-        A trace that cannot be written is reported and the run goes on: it observes the step,
-        the step does not need it."""
+    def profile_start(self) -> None:
+        """Every rank starts its torch.profiler trace (`vlmrl.training.profile`)."""
         import ray
 
-        if rl_step not in self.cfg.trainer.profile_steps:
-            yield None
-            return
-        out = Path(self.cfg.run_dir) / "profile" / f"rl_step_{rl_step}"
         ray.get([w.profile_start.remote() for w in self.workers])
-        try:
-            yield out
-        finally:
-            try:
-                ray.get([w.profile_stop.remote(str(out)) for w in self.workers])
-            except Exception as err:  # noqa: BLE001 - a rank's error, as Ray raises it
-                print(f"warning: the trace of RL step {rl_step} was not written to {out}: {err}", flush=True)
+
+    def profile_stop(self, out_dir: Path) -> None:
+        """Every rank stops its trace and writes it under `out_dir`."""
+        import ray
+
+        ray.get([w.profile_stop.remote(str(out_dir)) for w in self.workers])
 
     def start_rl_schedule(self, steps: int) -> float:
         """Every rank switches to the RL phase's learning-rate schedule (`trainer.optim.rl_lr`);

@@ -351,10 +351,6 @@ class TrainerConfig(Sealable):
     # forward and backward run (the optimizer step waits for it) and goes out while the weight
     # sync runs; false: both copies are made inside the onload and the offload, in the open
     offload_overlap: bool = True
-    # RL steps (1-based) that every trainer rank traces with torch.profiler, from the step's
-    # start to the end of its weight sync: run_dir/profile/rl_step_<n>/rank<r>.json.gz (Chrome
-    # trace) and rank<r>.txt (the costliest operators); empty: none
-    profile_steps: list[int] = field(default_factory=list)
     # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
     moe_aux_loss_coeff: float = 0.0
     # MoE router logits: fp32 (Megatron's float32 router) | engine (in the model's dtype, as
@@ -536,6 +532,11 @@ class VlmrlConfig(Sealable):
     resume: str = "auto"  # auto | never | a checkpoint directory
     save_hf: bool = False  # export an HF checkpoint at the end
     max_train_seconds: float | None = None  # stop RL after this much training wall time
+    # RL steps (1-based) traced from the step's start to the end of its weight sync, into
+    # run_dir/profile/rl_step_<n>/: every trainer rank with torch.profiler (rank<r>.json.gz, a
+    # Chrome trace; rank<r>.txt, the costliest operators) and the driver's loop with cProfile
+    # (driver.prof, driver.txt); empty: none
+    profile_steps: list[int] = field(default_factory=list)
     # Validate, print the resolved config and the job's run dir, and stop (works with -m).
     dry_run: bool = False
 

@@ -126,8 +126,8 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
     for key in ("tp", "pp", "cp", "ep", "etp", "micro_batch_size", "max_tokens_per_gpu"):
         if getattr(p, key) < 1:
             fail("positive", f"parallel.{key}={getattr(p, key)} must be >= 1")
-    if any(not isinstance(s, int) or s < 1 for s in cfg.trainer.profile_steps):
-        fail("positive", f"trainer.profile_steps={list(cfg.trainer.profile_steps)} must list RL steps >= 1")
+    if any(not isinstance(s, int) or s < 1 for s in cfg.profile_steps):
+        fail("positive", f"profile_steps={list(cfg.profile_steps)} must list RL steps >= 1")
     if out:
         return out  # sizes below divide by these
 

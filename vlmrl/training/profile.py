@@ -1,4 +1,4 @@
-"""A trainer rank's torch.profiler trace of chosen RL steps (`trainer.profile_steps`).
+"""A trainer rank's torch.profiler trace of chosen RL steps (`profile_steps`).
 
 The trace covers everything the rank does between the loop's start and stop calls: the memory
 moves into and out of the phases (onload, the overlapped optimizer-state copies, stage,
