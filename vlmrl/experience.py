@@ -10,7 +10,8 @@ trained on are left out and counted by reason. No engine, trainer or Ray here: d
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,29 +45,76 @@ def routed_experts_tensor(data: str, *, tokens: int, layers: int, topk: int) -> 
     return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, layers, topk).to(torch.int16)
 
 
+@dataclass
+class GroupInputs:
+    """What a complete group's samples need besides its records: the trainer's encoding of its
+    prompt (`encode_prompt`) and each sample's routed experts (by `sample_index`: a tensor, the
+    ValueError that its engine's bytes raised, or None where the engine sent none). Built as the
+    group completes (`prepare_for`), while the engines still generate the others."""
+
+    prompt: dict[str, Any]
+    experts: dict[int, torch.Tensor | ValueError | None] = field(default_factory=dict)
+
+
+def group_inputs(processor: Any, prompt: Prompt, records: Sequence[SampleRecord],
+                 routing: tuple[int, int] | None = None) -> GroupInputs:
+    """`GroupInputs` of one group's `records`, all of `prompt`; with `routing` (layers, top-k)
+    each sample's routed experts are read from the engine's bytes."""
+    enc = encode_prompt(processor, prompt)
+    out = GroupInputs(prompt=enc)
+    for rec in records:
+        experts = None
+        if routing is not None and rec.routed_experts is not None:
+            try:
+                experts = routed_experts_tensor(rec.routed_experts, tokens=len(enc["input_ids"]) + len(rec.response_ids),
+                                                layers=routing[0], topk=routing[1])
+            except ValueError as e:
+                experts = e
+        out.experts[rec.sample_index] = experts
+    return out
+
+
+def prepare_for(processor: Any, drawn: Sequence[Prompt], routing: tuple[int, int] | None = None
+                   ) -> Callable[[list[SampleRecord]], GroupInputs]:
+    """`group_inputs` of a complete group of a step's rollout, its prompt found among `drawn`
+    (the step's prompts, a list that grows as the step's rounds draw more)."""
+    def prepare(records: list[SampleRecord]) -> GroupInputs:
+        index = records[0].prompt_index
+        return group_inputs(processor, next(p for p in reversed(drawn) if p.index == index), records, routing)
+
+    return prepare
+
+
 def train_samples(processor: Any, prompts: Mapping[int, Prompt], records: Sequence[SampleRecord],
                   advantages: Sequence[float], *, routing: tuple[int, int] | None = None,
-                  replay: bool = False) -> tuple[list[TrainSample], dict[str, int]]:
+                  replay: bool = False, prepared: Mapping[int, GroupInputs] | None = None
+                  ) -> tuple[list[TrainSample], dict[str, int]]:
     """TrainSamples of rollout records: the processor's prompt tokens (image placeholders
     expanded exactly as in rollout) followed by the generated tokens. A generated token is
     text to the trainer as it was to the engine, the image token's id included
     (`TrainSample.prompt_len`).
 
     With `routing` (layers, top-k: the engines report each token's experts) a sample carries
-    them (`TrainSample.routed_experts`, [tokens - 1, layers, top-k]).
+    them (`TrainSample.routed_experts`, [tokens - 1, layers, top-k]). `prepared` holds the
+    groups' `GroupInputs` already built, by group position (the rollout builds each as the
+    group completes); the others are built here.
 
     Samples that cannot be trained on are left out and counted by reason (second return
     value): `prompt_mismatch` (the engine tokenised the prompt differently from the trainer:
     other image pixel bounds or chat template; its logprobs belong to another sequence);
     `bad_routed_experts` (the engine's experts do not decode to [tokens - 1, layers, top-k]);
     with `replay`, `no_routed_experts` (the engine reported none: replay could not hold)."""
-    encoded: dict[int, dict[str, Any]] = {}
+    groups: dict[int, list[SampleRecord]] = {}
+    for rec in records:
+        groups.setdefault(rec.group_index, []).append(rec)
+    built = dict(prepared or {})
     out = []
     skipped = {"prompt_mismatch": 0, "bad_routed_experts": 0, "no_routed_experts": 0}
     for rec, adv in zip(records, advantages):
-        if rec.prompt_index not in encoded:
-            encoded[rec.prompt_index] = encode_prompt(processor, prompts[rec.prompt_index])
-        enc = encoded[rec.prompt_index]
+        if rec.group_index not in built:
+            built[rec.group_index] = group_inputs(processor, prompts[rec.prompt_index], groups[rec.group_index], routing)
+        inputs = built[rec.group_index]
+        enc = inputs.prompt
         ids, resp = enc["input_ids"], list(rec.response_ids)
         if rec.prompt_ids is not None and list(rec.prompt_ids) != ids:
             if not skipped["prompt_mismatch"]:
@@ -77,18 +125,13 @@ def train_samples(processor: Any, prompts: Mapping[int, Prompt], records: Sequen
             continue
         if not resp:
             continue
-        experts = None
-        if routing is not None and rec.routed_experts is not None:
-            layers, topk = routing
-            try:
-                experts = routed_experts_tensor(rec.routed_experts, tokens=len(ids) + len(resp), layers=layers,
-                                                topk=topk)
-            except ValueError as e:
-                if not skipped["bad_routed_experts"]:
-                    log.warning("row %s: %s; skipping such samples", rec.prompt_index, e)
-                skipped["bad_routed_experts"] += 1
-                continue
-        elif replay:
+        experts = inputs.experts.get(rec.sample_index) if routing is not None else None
+        if isinstance(experts, ValueError):
+            if not skipped["bad_routed_experts"]:
+                log.warning("row %s: %s; skipping such samples", rec.prompt_index, experts)
+            skipped["bad_routed_experts"] += 1
+            continue
+        if experts is None and replay:
             if not skipped["no_routed_experts"]:
                 log.warning("row %s: the engine reported no routed experts (algo.routing_replay needs them; "
                             "SGLang: --enable-return-routed-experts); skipping such samples", rec.prompt_index)

@@ -32,7 +32,7 @@ from .config.layout import compute_layout, returns_routed_experts, scheduled_ste
 from .config.memory import trainer_offload
 from .config.schema import VlmrlConfig
 from .data.prompts import PromptDataset
-from .experience import rollout_metrics, rollout_prompt, sample_rows, sft_samples, train_samples
+from .experience import prepare_for, rollout_metrics, rollout_prompt, sample_rows, sft_samples, train_samples
 from .logging import MetricsLogger
 from .logging.console import library_log, quiet_libraries
 from .logging.keys import eval_key
@@ -211,8 +211,7 @@ class Loop:
         prompts while too few groups are kept."""
         t_step, _ = time.perf_counter(), self.weights.take_moves()  # moves before the step (SFT, evals) are not its own
         # generate, score, filter (async mode: generated while the previous step trained)
-        prompts, batch, t_rollout = self._next or self._rollout(self.state.step)
-        self._next = None
+        (prompts, batch, t_rollout), self._next = self._next or self._rollout(self.state.step), None
         self.memory.ended("rollout", self.trainer)
         # samples from weights other than the trainer's current ones (async: all of them; a
         # sync that did not reach an engine shows here too)
@@ -250,7 +249,8 @@ class Loop:
             return self.pool.score([r.text for r in records], [r.answer for r in records])
 
         out = run_step(self.rollout, draw, score, lambda rewards: keeps_group(rewards, cfg.algo.filter_groups),
-                       SamplingPlan.from_config(cfg.rollout, cfg.algo.filter_groups), step=step)
+                       SamplingPlan.from_config(cfg.rollout, cfg.algo.filter_groups), step=step,
+                       prepare=prepare_for(self.processor, drawn, self._routing))  # samples' inputs, as groups end
         if out.bound_hit and not self._bound_noted:
             self._bound_noted = True
             print(out.bound_note(step, cfg.rollout.batch_size))
@@ -277,7 +277,7 @@ class Loop:
         counts of those left out by reason; the step's sample rows go to the log."""
         by_index = {p.index: p for p in prompts}
         samples, skipped = train_samples(self.processor, by_index, batch.records, advantages, routing=self._routing,
-                                         replay=self.cfg.algo.routing_replay != "none")
+                                         replay=self.cfg.algo.routing_replay != "none", prepared=batch.prepared)
         self._log_samples(self.state.sft_steps_done + self.state.step + 1,  # the step this one is logged at
                           sample_rows(batch.records, batch.rewards, groups=self.cfg.logger.sample_groups,
                                       advantages=advantages, prompts=by_index))

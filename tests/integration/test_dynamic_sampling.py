@@ -9,6 +9,7 @@ for real."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -64,8 +65,17 @@ def test_a_step_refills_the_groups_the_filter_drops(engine):
     mgr = RolloutManager([engine], n_samples=4, sampling=SAMPLING, seed=3, progress=False)
     stream = Stream(engine)
     plan = SamplingPlan(batch_size=3, filtering=True, oversample=1.0, max_rounds=5)
-    out = run_step(mgr, stream, even_rows_informative, _equal, plan, step=0)
+    loop_thread = threading.get_ident()
+
+    def prepare(records):  # what the trainer's samples need of a group, built as it completes
+        return records[0].group_index, [r.sample_index for r in records], threading.get_ident()
+
+    out = run_step(mgr, stream, even_rows_informative, _equal, plan, step=0, prepare=prepare)
     assert stream.calls == [3, 1, 1] and out.rounds == 3 and not out.bound_hit
+    # built for every kept group, whole, off the event loop's thread (beside the scoring)
+    kept = sorted({r.group_index for r in out.records})
+    assert sorted(out.prepared) == kept and all(out.prepared[g][:2] == (g, [0, 1, 2, 3]) for g in kept)
+    assert all(out.prepared[g][2] != loop_thread for g in kept)
     assert [p.index for p in out.prompts] == [0, 1, 2, 3, 4]
     assert sorted({r.prompt_index for r in out.records}) == [0, 2, 4] and out.kept_groups == 3
     assert len(out.records) == 12 and out.rewards == [float(r.sample_index % 2) for r in out.records]

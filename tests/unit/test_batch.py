@@ -133,7 +133,7 @@ def test_untrainable_samples_are_left_out_and_counted_by_reason(monkeypatch):
         "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
 
     def record(i: int, ids: list[int], prompt_ids: list[int] | None = None) -> SimpleNamespace:
-        return SimpleNamespace(prompt_index=0, sample_index=i, response_ids=ids, prompt_ids=prompt_ids,
+        return SimpleNamespace(prompt_index=0, group_index=0, sample_index=i, response_ids=ids, prompt_ids=prompt_ids,
                                logprobs=[-1.0] * len(ids))
 
     # the engine cut the image into more tokens than the trainer (other pixel bounds): the
@@ -207,12 +207,12 @@ def test_engine_experts_travel_with_their_samples(monkeypatch):
         "input_ids": [1, 2, 3], "pixel_values": None, "image_grid_thw": None})
     layers, k = 2, 2
 
-    def record(ids: list[int], rows: int | None) -> SimpleNamespace:
+    def record(i: int, ids: list[int], rows: int | None) -> SimpleNamespace:
         experts = None if rows is None else encode_routed_experts(range(rows * layers * k))
-        return SimpleNamespace(prompt_index=0, sample_index=0, response_ids=ids, prompt_ids=None,
+        return SimpleNamespace(prompt_index=0, group_index=0, sample_index=i, response_ids=ids, prompt_ids=None,
                                logprobs=[-1.0] * len(ids), routed_experts=experts)
 
-    records = [record([7, 8], 4), record([7, 8, 9], 3), record([7], None), record([9, 9, 9], 5)]
+    records = [record(0, [7, 8], 4), record(1, [7, 8, 9], 3), record(2, [7], None), record(3, [9, 9, 9], 5)]
     samples, skipped = train_samples(None, {0: object()}, records, [1.0] * 4, routing=(layers, k), replay=True)
     assert skipped == {"prompt_mismatch": 0, "bad_routed_experts": 1, "no_routed_experts": 1}
     assert [s.routed_experts.shape for s in samples] == [(4, layers, k), (5, layers, k)]
@@ -220,6 +220,19 @@ def test_engine_experts_travel_with_their_samples(monkeypatch):
     assert samples[0].routed_experts.flatten().tolist() == list(range(16))
     kept, _ = train_samples(None, {0: object()}, records[2:3], [1.0], routing=(layers, k), replay=False)
     assert len(kept) == 1 and kept[0].routed_experts is None  # measuring only: kept without them
+    # built as the group completed (`group_inputs`, in the rollout): used as they are, the
+    # prompt not encoded again, the same samples and the same reasons
+    prepared = {0: vlmrl.experience.group_inputs(None, object(), records, routing=(layers, k))}
+    assert isinstance(prepared[0].experts[1], ValueError) and prepared[0].experts[2] is None
+
+    def encode_again(processor, prompt):
+        raise AssertionError("the prompt was encoded again")
+
+    monkeypatch.setattr(vlmrl.experience, "encode_prompt", encode_again)
+    again, again_skipped = train_samples(None, {0: object()}, records, [1.0] * 4, routing=(layers, k), replay=True,
+                                         prepared=prepared)
+    assert again_skipped == skipped and len(again) == len(samples)
+    assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(again, samples))
 
     mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, cp_size=1, sp_size=2)
     rows, offsets = mb.packed.routed_experts, mb.packed.cu_seqlens_padded.tolist()

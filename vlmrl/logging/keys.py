@@ -132,6 +132,8 @@ PERF_UPDATE_WEIGHTS_TIME = "perf/update_weights_time"
 PERF_STEP_TIME = "perf/step_time"
 PERF_TOKENS_PER_GPU_PER_SEC = "perf/tokens_per_gpu_per_sec"
 PERF_UPDATE_WEIGHTS_GB_PER_S = "perf/update_weights_gb_per_s"  # bytes sent to each engine / sync time
+# building the trainer's samples after generation (their prompts' encodings and routed experts
+# were read as each group completed, inside generation: vlmrl.experience.group_inputs)
 PERF_EXPERIENCE_TIME = "perf/experience_time"
 PERF_LOGPROB_TIME = "perf/logprob_time"  # the trainer's old-policy logprob pass (part of train_time)
 # the trainer's micro-batches and their padding (vlmrl.training.trainer.micro_batch_metrics)

@@ -14,7 +14,9 @@ groups whose rewards are all equal) the step wants `batch_size` kept groups:
   prompts are drawn. A step that hits a bound trains on what it has (`bound_hit`).
 
 Groups are scored as they complete (the reward pool works while the engines generate), and
-the scores are kept: the step's advantages and metrics use them, nothing is scored twice. A
+the scores are kept: the step's advantages and metrics use them, nothing is scored twice. With
+`prepare`, what the trainer's samples need of a group (`vlmrl.experience.group_inputs`: its
+prompt's encoding, its routed experts) is built then too, beside the scoring. A
 round's prompts come from `draw(n)`, so the data stream's position after the step counts every
 prompt drawn, used or not: a run resumed from a checkpoint draws the prompts it would have drawn.
 """
@@ -74,6 +76,7 @@ class StepRollout:
     stats: RolloutStats = field(default_factory=RolloutStats)
     rounds: int = 0
     bound_hit: bool = False
+    prepared: dict[int, Any] = field(default_factory=dict)  # group position -> `prepare`'s result
 
     @property
     def kept_groups(self) -> int:
@@ -109,15 +112,22 @@ def _add(total: RolloutStats, part: RolloutStats) -> None:
 
 async def sample_step(manager: RolloutManager, draw: Callable[[int], Sequence[Any]],
                       score: Callable[[list[SampleRecord]], list[float]],
-                      keeps: Callable[[list[float]], bool], plan: SamplingPlan, *, step: int) -> StepRollout:
+                      keeps: Callable[[list[float]], bool], plan: SamplingPlan, *, step: int,
+                      prepare: Callable[[list[SampleRecord]], Any] | None = None) -> StepRollout:
     """Gather a step's groups (see the module docstring). `draw(n)` gives the next n prompts
-    (as the rollout manager takes them), `score(records)` one group's rewards (blocking: it
-    runs in a worker thread), `keeps(rewards)` the filter's verdict."""
+    (as the rollout manager takes them), `score(records)` one group's rewards, `keeps(rewards)`
+    the filter's verdict, `prepare(records)` what the trainer needs of a complete group
+    (`StepRollout.prepared`); score and prepare block, and run in worker threads."""
     scores: dict[int, list[float]] = {}  # group position -> rewards
+    prepared: dict[int, Any] = {}
 
     async def keep(records: list[SampleRecord]) -> bool:
-        rewards = [float(x) for x in await asyncio.to_thread(score, records)]
+        work = [asyncio.to_thread(score, records)] + ([asyncio.to_thread(prepare, records)] if prepare else [])
+        done = await asyncio.gather(*work)
+        rewards = [float(x) for x in done[0]]
         scores[records[0].group_index] = rewards
+        if prepare is not None:
+            prepared[records[0].group_index] = done[1]
         return keeps(rewards) if plan.filtering else True
 
     out = StepRollout(prompts=[], records=[], rewards=[])
@@ -142,16 +152,19 @@ async def sample_step(manager: RolloutManager, draw: Callable[[int], Sequence[An
     out.bound_hit = plan.filtering and out.kept_groups < plan.batch_size
     out.rewards = [scores[r.group_index][r.sample_index] for r in out.records]
     out.rejected_rewards = [scores[r.group_index][r.sample_index] for r in out.rejected]
+    kept = {r.group_index for r in out.records}
+    out.prepared = {g: v for g, v in prepared.items() if g in kept}
     return out
 
 
 def run_step(manager: RolloutManager, draw: Callable[[int], Sequence[Any]],
              score: Callable[[list[SampleRecord]], list[float]], keeps: Callable[[list[float]], bool],
-             plan: SamplingPlan, *, step: int) -> StepRollout:
+             plan: SamplingPlan, *, step: int, prepare: Callable[[list[SampleRecord]], Any] | None = None
+             ) -> StepRollout:
     """`sample_step` on its own event loop (the engines' HTTP sessions close with it)."""
     async def go() -> StepRollout:
         try:
-            return await sample_step(manager, draw, score, keeps, plan, step=step)
+            return await sample_step(manager, draw, score, keeps, plan, step=step, prepare=prepare)
         finally:
             await close_sessions(manager.engines)
 
