@@ -1,4 +1,4 @@
-"""`python -m vlmrl.bench [cli|rollout|train-gpu|kernels-gpu|weight-sync|sglang-sync|trainer-steps|learning|step-phases] [args]` (what `make bench` runs).
+"""`python -m vlmrl.bench [cli|rollout|train-gpu|kernels-gpu|weight-sync|sglang-sync|trainer-steps|learning|step-phases|step-trace] [args]` (what `make bench` runs).
 
 Without a name it runs the CPU benchmarks (dry-run latency, embedded-engine rollout
 throughput with the tiny model) and, where CUDA is available, what bench/results reports
@@ -19,6 +19,7 @@ def main(argv: list[str]) -> int:
         rollout,
         sglang_sync,
         step_phases,
+        step_trace,
         train_gpu,
         trainer_steps,
         weight_sync,
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
     benches = {"cli": cli.main, "rollout": rollout.main, "train-gpu": train_gpu.main,
                "kernels-gpu": kernels_gpu.main, "weight-sync": weight_sync.main, "sglang-sync": sglang_sync.main,
                "trainer-steps": trainer_steps.main, "learning": learning.main,
-               "step-phases": step_phases.main}
+               "step-phases": step_phases.main, "step-trace": step_trace.main}
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(f"\nbenchmarks: {', '.join(benches)} (each answers --help)")
