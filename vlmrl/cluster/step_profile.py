@@ -38,18 +38,24 @@ def profiled_step(steps: list[int], run_dir: str | Path, rl_step: int, trainer: 
         yield None
         return
     out = profile_dir(run_dir, rl_step)
-    trainer.profile_start()
+    try:
+        trainer.profile_start()
+    except Exception as err:  # noqa: BLE001 - a rank's error as Ray raises it
+        print(f"warning: RL step {rl_step} is not traced: {err}", flush=True)
+        yield None
+        return
     driver = cProfile.Profile()
     driver.enable()
     try:
         yield out
     finally:
         driver.disable()
-        try:
-            write_driver_profile(driver, out)
-            trainer.profile_stop(out)
-        except Exception as err:  # noqa: BLE001 - a rank's error as Ray raises it, or the disk's
-            print(f"warning: the trace of RL step {rl_step} was not written to {out}: {err}", flush=True)
+        for what, write in (("ranks'", lambda: trainer.profile_stop(out)),  # every rank stops, whatever else fails
+                            ("driver's", lambda: write_driver_profile(driver, out))):
+            try:
+                write()
+            except Exception as err:  # noqa: BLE001 - a rank's error as Ray raises it, or the disk's
+                print(f"warning: the {what} trace of RL step {rl_step} was not written to {out}: {err}", flush=True)
 
 
 def write_driver_profile(prof: cProfile.Profile, out: Path, rows: int = 40) -> None:
