@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..logging import keys as mk
+from . import report
 
 COLUMNS = ("step", "generate", "train", "outside", "move_generate", "move_train", "move_sync", "onload_wait",
            "sync", "experience", "loop")
@@ -121,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as err:
             print(f"step-phases: {err}", file=sys.stderr)
             return 1
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import report
+
 KERNEL_CATS = ("kernel",)
 COPY_CATS = ("gpu_memcpy", "gpu_memset")
 
@@ -118,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"step-trace: {err}", file=sys.stderr)
         return 1
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
