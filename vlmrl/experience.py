@@ -74,8 +74,8 @@ def group_inputs(processor: Any, prompt: Prompt, records: Sequence[SampleRecord]
     return out
 
 
-def prepare_for(processor: Any, drawn: Sequence[Prompt], routing: tuple[int, int] | None = None
-                   ) -> Callable[[list[SampleRecord]], GroupInputs]:
+def prepare_for(processor: Any, drawn: Sequence[Prompt],
+                routing: tuple[int, int] | None = None) -> Callable[[list[SampleRecord]], GroupInputs]:
     """`group_inputs` of a complete group of a step's rollout, its prompt found among `drawn`
     (the step's prompts, a list that grows as the step's rounds draw more)."""
     def prepare(records: list[SampleRecord]) -> GroupInputs:
