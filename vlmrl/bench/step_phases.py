@@ -29,6 +29,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ..cluster.step_profile import traced_steps
 from ..logging import keys as mk
 from . import report
 
@@ -86,12 +87,6 @@ def rl_rows(run_dir: str | Path) -> list[dict[str, float]]:
     return rows
 
 
-def traced_steps(run_dir: str | Path) -> frozenset[int]:
-    """The RL steps a run traced with torch.profiler (its profile/rl_step_<n> folders)."""
-    found = Path(run_dir, "profile").glob("rl_step_*")
-    return frozenset(int(p.name.rsplit("_", 1)[1]) for p in found if p.name.rsplit("_", 1)[1].isdigit())
-
-
 def table(name: str, rows: Sequence[Mapping[str, float]], skip: int = 1,
           traced: frozenset[int] = frozenset()) -> list[str]:
     """Markdown lines: one row per step, then the mean of the untraced steps after the first `skip`."""
@@ -118,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
              + " ".join(args.run_dirs) + f" --skip {args.skip}`)", ""]
     for d in args.run_dirs:
         try:
-            lines += [*table(str(d), rl_rows(d), args.skip, traced_steps(d)), ""]
+            lines += [*table(str(d), rl_rows(d), args.skip, frozenset(traced_steps(d))), ""]
         except (OSError, ValueError, KeyError) as err:
             print(f"step-phases: {err}", file=sys.stderr)
             return 1

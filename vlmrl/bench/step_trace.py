@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..cluster.step_profile import profile_dir, traced_steps
 from . import report
 
 KERNEL_CATS = ("kernel",)
@@ -89,17 +90,13 @@ def table(name: str, summary: dict[str, Any], kinds: int = 8) -> list[str]:
 
 def traced_step_dir(run_dir: str | Path, step: int | None) -> Path:
     """The run's profile folder of RL step `step`, or of its only traced step."""
-    root = Path(run_dir) / "profile"
-    found = sorted(root.glob("rl_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]) if
-                   p.name.rsplit("_", 1)[1].isdigit() else -1)
-    if step is not None:
-        want = root / f"rl_step_{step}"
-        if not want.is_dir():
-            raise FileNotFoundError(f"no {want} (traced: {[p.name for p in found] or 'none'})")
-        return want
-    if len(found) != 1:
-        raise FileNotFoundError(f"{root}: {len(found)} traced steps ({[p.name for p in found]}); name one with --step")
-    return found[0]
+    found = traced_steps(run_dir)
+    names = ", ".join(profile_dir(run_dir, n).name for n in found) or "none"
+    if step is None and len(found) != 1:
+        raise FileNotFoundError(f"{Path(run_dir, 'profile')}: {len(found)} traced steps ({names}); name one with --step")
+    if step is not None and step not in found:
+        raise FileNotFoundError(f"no {profile_dir(run_dir, step)} (traced: {names})")
+    return profile_dir(run_dir, found[0] if step is None else step)
 
 
 def main(argv: list[str] | None = None) -> int:

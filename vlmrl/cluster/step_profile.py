@@ -27,7 +27,14 @@ from typing import Any
 
 
 def profile_dir(run_dir: str | Path, rl_step: int) -> Path:
+    """The folder of RL step `rl_step`'s traces."""
     return Path(run_dir) / "profile" / f"rl_step_{rl_step}"
+
+
+def traced_steps(run_dir: str | Path) -> list[int]:
+    """The RL steps a run traced (their `profile_dir` folders), in order."""
+    names = (p.name.removeprefix("rl_step_") for p in Path(run_dir, "profile").glob("rl_step_*") if p.is_dir())
+    return sorted(int(n) for n in names if n.isdigit())
 
 
 @contextlib.contextmanager

@@ -61,8 +61,9 @@ perf (seconds unless stated)
   perf/rollout_time             generation and reward scoring
   perf/train_time               logprob recomputation and optimizer steps
   perf/update_weights_time      weight sync trainer -> rollout engines
-  perf/experience_time          the trainer's samples from a rollout (advantages, the prompts'
-                                encoding, the engines' routed experts), between the two stages
+  perf/experience_time          the trainer's samples from a rollout, between the two stages
+                                (advantages, assembly; each group's prompt encoding and routed
+                                experts are read inside generation as it completes)
   perf/update_weights_<phase>_s that sync's host seconds on rank 0 by phase: gather_convert
                                 (the trainer's gather to HF tensors), serialize, engines (the
                                 engines' loading), barrier; perf/update_weights_buckets
@@ -132,8 +133,6 @@ PERF_UPDATE_WEIGHTS_TIME = "perf/update_weights_time"
 PERF_STEP_TIME = "perf/step_time"
 PERF_TOKENS_PER_GPU_PER_SEC = "perf/tokens_per_gpu_per_sec"
 PERF_UPDATE_WEIGHTS_GB_PER_S = "perf/update_weights_gb_per_s"  # bytes sent to each engine / sync time
-# building the trainer's samples after generation (their prompts' encodings and routed experts
-# were read as each group completed, inside generation: vlmrl.experience.group_inputs)
 PERF_EXPERIENCE_TIME = "perf/experience_time"
 PERF_LOGPROB_TIME = "perf/logprob_time"  # the trainer's old-policy logprob pass (part of train_time)
 # the trainer's micro-batches and their padding (vlmrl.training.trainer.micro_batch_metrics)

@@ -44,7 +44,7 @@ class StepTimes:
     """Seconds of an RL step's stages (`logprob` is part of `train`)."""
 
     rollout: float = 0.0
-    experience: float = 0.0  # the trainer's samples from the rollout: advantages, prompts, routed experts
+    experience: float = 0.0  # the trainer's samples from the rollout, after generation: advantages, assembly
     logprob: float = 0.0
     train: float = 0.0
     sync: float = 0.0
