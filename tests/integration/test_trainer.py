@@ -70,19 +70,24 @@ def _hf_grad_norm(cfg, path: str, samples: list) -> float:
 def _trainer_grad_norm(cfg, path: str, samples: list, bucket: bool = False) -> tuple[float, int]:
     """(the trainer's gradient norm of one SFT step, layers on the fast path); `bucket` packs
     the micro-batches padded to their CUDA-graph bucket (`hardware.cuda_graphs`' layout)."""
+    from vlmrl.config.layout import shares_prompts
     from vlmrl.training.trainer import MegatronTrainer
 
     trainer = MegatronTrainer(cfg, path)  # (re)creates Megatron's process groups for cfg.parallel
     if bucket:
         trainer.cuda_graphs = True  # the padding only: the CPU has no CUDA graphs
-    real = sum(s.num_tokens for s in samples)
     mbs = trainer._step_micro_batches(samples)
+    shared = sum(mb.shared_prompt_tokens for mb in mbs)
+    # two of the samples repeat another's prompt: on CPU ranks without CP they run it once unless told not to
+    assert (shared > 0) == shares_prompts(cfg)
+    real = sum(s.num_tokens for s in samples) - shared
     packed = sum(mb.whole.num_tokens for mb in mbs)
     assert packed > real if bucket else packed >= real
     metrics = trainer.sft_step(samples)
     # the step reports its micro-batches and the padding they carried
     assert metrics["perf/micro_batches"] == len(mbs) >= 1
     assert metrics["perf/pad_tokens"] == packed - real
+    assert metrics["perf/shared_prompt_tokens"] == shared
     fast = sum(bool(getattr(layer, "fast_path", False))
                for c in trainer.chunks for layer in c.language_model.decoder.layers)
     return metrics["grad_norm"], fast
@@ -103,13 +108,20 @@ def test_step_gradient_is_the_per_token_mean(family_checkpoint):
     """Both families; Qwen3.5's micro-batch padded to its CUDA-graph bucket, which must change
     nothing (its padding runs through Gated DeltaNet, gated attention and the MoE router).
     Again with `hardware.fused_grad_accumulation`: its DDP hook, here on the CPU where torch's
-    add does the sum, still hands every gradient to Megatron's main gradients."""
+    add does the sum, still hands every gradient to Megatron's main gradients. With
+    `trainer.share_prompts` (on by default on CPU ranks) the two replies that repeat a prompt
+    run it once, attending to it (in Qwen3.5 also starting from its Gated DeltaNet state and
+    convolution window), and the gradient is still HF's, which runs every sample whole;
+    "single" and "fused accumulation" run every sample whole too (the model-parallel layouts
+    below share, but under CP)."""
     cfg, path = family_checkpoint
     bucket = "linear_attention" in cfg.model.lm.layer_types
-    fused = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, fused_grad_accumulation=True))
-    res = spawn_local(_sft_grad_norms, 1, {"single": cfg, "fused accumulation": fused}, path, bucket)[0]
+    single = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, share_prompts=False))
+    fused = dataclasses.replace(single, hardware=dataclasses.replace(cfg.hardware, fused_grad_accumulation=True))
+    res = spawn_local(_sft_grad_norms, 1, {"single": single, "fused accumulation": fused, "shared prompts": cfg},
+                      path, bucket)[0]
     hf_norm = res["hf"]
-    for name in ("single", "fused accumulation"):
+    for name in ("single", "fused accumulation", "shared prompts"):
         assert abs(res[name][0] - hf_norm) <= 1e-4 * hf_norm, (name, res[name][0], hf_norm)
 
 

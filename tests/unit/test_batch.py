@@ -41,6 +41,18 @@ def test_split_by_tokens_balances_and_keeps_every_sample():
     assert abs(loads[0] - loads[1]) <= max(s.num_tokens for s in samples)
 
 
+def test_split_keeps_a_prompts_samples_on_one_rank_when_prompts_are_shared():
+    prompts = [list(range(100 * p, 100 * p + 5 + p)) for p in range(4)]
+    samples = [TrainSample(prompts[p] + [7] * (1 + (i % 3)), [0.0] * len(prompts[p]) + [1.0] * (1 + (i % 3)))
+               for i in range(16) for p in [i % 4]]
+    parts = split_by_tokens(samples, 2, keep_prompts=True)
+    assert sorted(i for part in parts for i in part) == list(range(16))
+    on = [{i % 4 for i in part} for part in parts]
+    assert not on[0] & on[1] and len(on[0]) == len(on[1]) == 2  # every prompt whole on one rank, two a rank
+    # fewer prompts than ranks: split one by one, as without sharing
+    assert split_by_tokens(samples[:4], 8, keep_prompts=True) == split_by_tokens(samples[:4], 8)
+
+
 def test_micro_batches_by_budget_and_by_count():
     assert micro_batches([5, 5, 5], max_tokens=None, micro_batch_size=2) == [[0, 1], [2]]
     groups = micro_batches([6, 3, 5, 2, 9], max_tokens=10, micro_batch_size=1)
@@ -285,3 +297,66 @@ def test_a_filler_micro_batch_trains_on_nothing():
     mb = build_micro_batch([filler_sample()], image_token_id=5, spatial_merge_size=2, sp_size=2)
     assert mb.loss_mask.sum() == 0 and mb.pixel_values is None
     assert mb.packed.num_tokens % 2 == 0
+
+
+def test_shared_prompts_pack_a_prompt_once_and_keep_every_samples_loss_tensors():
+    """`share_prompts`: the replies of one prompt (the same tokens and image) run it once; the
+    loss tensors are each sample's response-predicting positions, as in the plain layout, read
+    from the packed rows `logit_index` gives; the layout knows each reply's parent."""
+    from vlmrl.algo.losses import AGG_MODES, loss_normaliser
+    from vlmrl.training.batch import prompt_groups
+
+    img, other = torch.randn(16, 32), torch.randn(16, 32)
+    samples = [_image_sample(img, [1, 4, 4], [20, 21]), _image_sample(other, [1, 4, 4], [22]),
+               _image_sample(img, [1, 4, 4], [23, 24, 25]), _image_sample(img.clone(), [1, 4, 4], [26]),
+               TrainSample([10, 11, 12, 30], [0.0, 0.0, 0.0, 1.0])]
+    for i, s in enumerate(samples):
+        s.advantage = float(i)
+        s.old_logprobs = [-0.5 * (i + 1)] * int(sum(s.loss_mask))
+    assert prompt_groups(samples) == [[0, 2, 3], [1], [4]]
+    plain = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2)
+    mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, share_prompts=True)
+    prompt = samples[0].prompt_len
+    # the prompt once (with its image), its three replies, then the two samples alone
+    assert mb.packed.seq_lens == [prompt, 2, 3, 1, samples[1].num_tokens, 4]
+    assert mb.packed.parents == [-1, 0, 0, 0, -1, -1]
+    assert mb.shared_prompt_tokens == 2 * prompt
+    assert torch.equal(mb.pixel_values, torch.cat([img, other]))  # each distinct image once
+    # each sample's loss tensors are its plain ones at positions prompt_len - 1 .. n - 2
+    per = [(s.prompt_len - 1, s.num_tokens - 1) for s in samples]
+    offs = plain.packed.cu_seqlens_padded.tolist()
+    for name in ("targets", "loss_mask", "advantages", "rollout_logp"):
+        want = torch.cat([getattr(plain, name)[o + a:o + b] for o, (a, b) in zip(offs, per)])
+        assert torch.equal(getattr(mb, name), want), name
+    assert torch.equal(mb.extras["old_logp"], torch.cat([plain.extras["old_logp"][o + a:o + b]
+                                                        for o, (a, b) in zip(offs, per)]))
+    assert mb.cu_seqlens.tolist() == [0, 2, 1 + 2, 3 + 3, 6 + 1, 7 + 1]
+    for mode in AGG_MODES:
+        assert loss_normaliser(mb.loss_mask, mb.cu_seqlens, mode, 100) == \
+            loss_normaliser(plain.loss_mask, plain.cu_seqlens, mode, 100)
+    # the rows scoring each sample's replies: the prompt's last row for the first token (shared by
+    # the group), then the reply's own rows; the packed tokens there are the plain ones
+    rows = mb.logit_index.tolist()
+    assert rows[:2] == [prompt - 1, prompt] and rows[3:6] == [prompt - 1, prompt + 2, prompt + 3]
+    plain_rows = torch.cat([torch.arange(o + a, o + b) for o, (a, b) in zip(offs, per)])
+    assert torch.equal(mb.packed.input_ids[mb.logit_index], plain.packed.input_ids[plain_rows])
+    assert torch.equal(mb.packed.position_ids[:, mb.logit_index], plain.packed.position_ids[:, plain_rows])
+    # per-sample values back out in sample order (the trainer's logprobs)
+    values = torch.arange(float(mb.targets.numel()))
+    assert [v.tolist() for v in mb.sample_values(values)] == [[0.0, 1.0], [2.0], [3.0, 4.0, 5.0], [6.0], [7.0]]
+    # nothing shared: the plain layout, whatever the option
+    alone = build_micro_batch(samples[:2], image_token_id=999, spatial_merge_size=2, share_prompts=True)
+    assert alone.logit_index is None and alone.packed.parents is None
+    with pytest.raises(ValueError, match="cp_size 1"):
+        build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, share_prompts=True, cp_size=2)
+
+
+def test_shared_prompt_layouts_pad_only_their_end():
+    """Under sequence parallelism (or CUDA-graph buckets) the whole is padded at its end, never
+    a prompt: its replies start from its last real token."""
+    samples = [sample(5, n) for n in (3, 2, 4)]  # one prompt, three replies
+    mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, sp_size=4, share_prompts=True)
+    assert mb.packed.seq_lens == [5, 3, 2, 4] and mb.packed.padded_lens == [5, 3, 2, 6]
+    assert mb.packed.num_tokens % 4 == 0
+    bucketed = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, share_prompts=True, bucket=True)
+    assert bucketed.packed.padded_lens[:3] == [5, 3, 2] and bucketed.packed.num_tokens == 64

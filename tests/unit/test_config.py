@@ -232,6 +232,8 @@ INVALID = [
     (["algo.filter_groups=equal_reward", "rollout.oversample=0.5"], "dynamic-sampling", "must be >= 1"),
     (["algo.filter_groups=equal_reward", "rollout.max_rounds=3", "rollout.max_prompts=2"], "dynamic-sampling",
      "rollout.max_prompts=2"),
+    (["trainer.share_prompts=true", "parallel.cp=2", "cluster.num_cpu_ranks=2"], "share-prompts", "parallel.cp=2"),
+    ([*REFERENCE, "trainer.share_prompts=true"], "share-prompts", "hardware.gdn_backend=fla"),
 ]
 
 
@@ -455,3 +457,14 @@ def test_fewer_layers_of_a_model_preset_keep_its_first_layers():
     with pytest.raises(ConfigError, match="layer-types"):
         load(["model=tiny_qwen3_5_moe", "model.lm.num_layers=2",
               "model.lm.layer_types=[full_attention,linear_attention,linear_attention]"])
+
+
+def test_prompts_are_shared_on_cpu_ranks_unless_told_otherwise():
+    """`trainer.share_prompts` null: on for CPU ranks without CP, off on GPUs (opt-in there)."""
+    from vlmrl.config.layout import shares_prompts
+
+    assert shares_prompts(load([]))
+    assert not shares_prompts(load(["trainer.share_prompts=false"]))
+    assert not shares_prompts(load(["parallel.cp=2", "cluster.num_cpu_ranks=2"]))
+    assert not shares_prompts(load(REFERENCE))
+    assert shares_prompts(load([*GPU_DENSE, "trainer.share_prompts=true"]))

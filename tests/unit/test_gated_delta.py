@@ -174,3 +174,86 @@ def test_chunk_tiling_built_on_the_host():
     offsets = gd.PackedOffsets(gd.segment_bounds([0, 37, 167], 258), torch.device("cpu"))
     assert offsets.cu.tolist() == offsets.cu_host.tolist() == [0, 37, 167, 258]
     assert offsets.conv_chunks().tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]
+
+
+def test_chunked_rule_from_given_states_gives_the_recurrences_final_states():
+    q, k, v, decay, beta, bounds = packed_inputs(lens=(37, 9, 64))
+    start = torch.randn(len(bounds), v.shape[1], k.shape[2], v.shape[2], dtype=torch.float64)
+    got, got_final = gd.chunk_gated_delta_rule(q, k, v, decay, beta, bounds, chunk=16, initial_state=start,
+                                               output_final_state=True)
+    want, want_final = gd.recurrent_with_states(q, k, v, decay, beta, bounds, start)
+    assert (got.double() - want).abs().max() < 1e-5
+    assert (got_final.double() - want_final).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="initial_state shaped"):
+        gd.chunk_gated_delta_rule(q, k, v, decay, beta, bounds, initial_state=start[:2])
+
+
+def _shared_case(prompt=23, replies=(9, 30, 1), conv_k=4, dtype=torch.float64):
+    """A prompt with its replies as whole samples (prompt + reply each, packed) and as a
+    shared layout (the prompt once, then each reply continuing it), with a sample standing
+    alone after them."""
+    alone = 11
+    lens = [prompt + r for r in replies] + [alone]
+    q, k, v, decay, beta, _ = packed_inputs(lens=tuple(lens), dtype=dtype)
+    whole_offsets = [0]
+    for n in lens:
+        whole_offsets.append(whole_offsets[-1] + n)
+    # the shared layout's rows, taken from the first whole sample's prompt and each sample's reply
+    rows = list(range(prompt))
+    seg_offsets, parents = [0, prompt], [-1]
+    for i, r in enumerate(replies):
+        a = whole_offsets[i] + prompt
+        rows += list(range(a, a + r))
+        seg_offsets.append(seg_offsets[-1] + r)
+        parents.append(0)
+    rows += list(range(whole_offsets[-2], whole_offsets[-1]))
+    seg_offsets.append(seg_offsets[-1] + alone)
+    parents.append(-1)
+    # every whole sample gets the first one's prompt, so the two layouts compute the same thing
+    index = torch.tensor(rows)
+    for x in (q, k, v, decay, beta):
+        for i in range(1, len(replies)):
+            x[whole_offsets[i]:whole_offsets[i] + prompt] = x[:prompt]
+    real = [b - a for a, b in zip(seg_offsets[:-1], seg_offsets[1:])]
+    layout = gd.SharedLayout(seg_offsets, real, parents, conv_k, torch.device("cpu"))
+    whole_bounds = gd.segment_bounds(whole_offsets[:-1], whole_offsets[-1])
+    return (q, k, v, decay, beta), index, layout, whole_bounds
+
+
+def test_shared_prompt_recurrence_equals_each_reply_run_after_its_prompt():
+    (q, k, v, decay, beta), index, layout, whole_bounds = _shared_case()
+    want = gd.chunk_gated_delta_rule(q, k, v, decay, beta, whole_bounds, chunk=16)
+    got = gd.shared_gated_delta_rule(*(x.index_select(0, index) for x in (q, k, v, decay, beta)), layout)
+    assert (got.double() - want.index_select(0, index).double()).abs().max() < 1e-5
+
+
+def test_shared_prompt_gradients_reach_the_prompt_through_its_state():
+    """The replies' loss reaches the prompt's tokens only through the state they start from:
+    the prompt's gradient is the sum over its whole samples' copies."""
+    (q, k, v, decay, beta), index, layout, whole_bounds = _shared_case(replies=(9, 17), dtype=torch.float32)
+    weights = torch.randn(q.shape[0], v.shape[1], v.shape[2])
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, decay, beta)]
+    (gd.chunk_gated_delta_rule(*leaves, whole_bounds) * weights).sum().backward()
+    # a shared prompt's row is every whole copy's row: its gradient is their sum
+    whole_grads = [t.grad for t in leaves]
+    shared = [x.index_select(0, index).clone().requires_grad_(True) for x in (q, k, v, decay, beta)]
+    # the shared layout's loss: the same weights at the rows it holds, the prompt's weighted as often as it repeats
+    w = weights.index_select(0, index).clone()
+    prompt = 23
+    w[:prompt] = sum(weights[a:a + prompt] for a, _ in whole_bounds[:2])
+    (gd.shared_gated_delta_rule(*shared, layout) * w).sum().backward()
+    for got, want in zip((t.grad for t in shared), whole_grads):
+        want_rows = want.index_select(0, index).clone()
+        want_rows[:prompt] = sum(want[a:a + prompt] for a, _ in whole_bounds[:2])
+        assert (got - want_rows).abs().max() / want_rows.abs().max() < 1e-4
+
+
+def test_shared_prompt_convolution_continues_the_prompts_window():
+    (q, *_), index, layout, whole_bounds = _shared_case(conv_k=4)
+    x = q.reshape(q.shape[0], -1)
+    weight = torch.randn(x.shape[1], 4, dtype=x.dtype)
+    want = gd.causal_conv1d(x, weight, whole_bounds).index_select(0, index)
+    got = gd.shared_causal_conv1d(x.index_select(0, index), weight, layout)
+    assert (got - want).abs().max() < 1e-12
+    with pytest.raises(ValueError, match="parent 2 is not a segment before it"):
+        gd.SharedLayout([0, 5, 9, 12], [5, 4, 3], [-1, 2, -1], 4, torch.device("cpu"))

@@ -285,3 +285,31 @@ def test_split_samples_rejects_overlap_and_overrun():
     with pytest.raises(ValueError, match="past the 10 tokens"):
         split_samples(x, [0, 6], [6, 5])
 
+
+
+def test_continuations_keep_their_positions_and_name_a_bad_parent():
+    """`PackSample.parent`: a reply packed after its prompt keeps the positions it has after
+    it (given), and the layout lists each sample's parent; a parent must come first, stand
+    alone, end unpadded, and hold the images."""
+    prompt = _sample(3, [[1, 4, 4]], 0, seed=0)
+    n = len(prompt.input_ids)
+    reply_pos = torch.arange(10, 13).expand(3, -1)
+    reply = PackSample([40, 41, 42], None, None, 0, parent=0, position_ids=reply_pos)
+    packed = pack([prompt, reply, _sample(2, [], 2, seed=1)], image_token_id=IMG, spatial_merge_size=MERGE)
+    assert packed.parents == [-1, 0, -1]
+    assert torch.equal(packed.position_ids[:, n:n + 3], reply_pos)
+    assert pack([prompt], image_token_id=IMG, spatial_merge_size=MERGE).parents is None
+    with pytest.raises(ValueError, match="sample 0: its parent 1 does not come before it"):
+        pack([PackSample([1, 2], parent=1), prompt], image_token_id=IMG, spatial_merge_size=MERGE)
+    with pytest.raises(ValueError, match="sample 2: its parent 1 continues sample 0"):
+        pack([prompt, reply, PackSample([7], parent=1)], image_token_id=IMG, spatial_merge_size=MERGE)
+    with pytest.raises(ValueError, match="its parent 0 is padded"):
+        pack([prompt, reply], image_token_id=IMG, spatial_merge_size=MERGE, pad_multiple=64)
+    with pytest.raises(ValueError, match="sample 1 continues sample 0 but has images"):
+        pack([prompt, PackSample(prompt.input_ids, None, prompt.image_grid_thw, parent=0)],
+             image_token_id=IMG, spatial_merge_size=MERGE)
+    with pytest.raises(ValueError, match=r"position_ids shaped \[3, 2\] for 3 tokens"):
+        pack([prompt, PackSample([40, 41, 42], parent=0, position_ids=reply_pos[:, :2])],
+             image_token_id=IMG, spatial_merge_size=MERGE)
+    with pytest.raises(ValueError, match="does not split shared-prompt layouts"):
+        split_for_cp(packed, 2, 0)

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config.layout import Layout, compute_layout
+from ..config.layout import Layout, compute_layout, shares_prompts
 from ..config.schema import VlmrlConfig
 from ..training.batch import TrainSample, split_by_tokens
 from ..training.parallel_state import host_store
@@ -259,8 +259,12 @@ class TrainerGroup:
             self.wait_ready()
             yield
 
+    def _parts(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        """Each data-parallel rank's samples (a prompt's together where the trainer shares prompts)."""
+        return split_by_tokens(samples, self.dp_size, keep_prompts=shares_prompts(self.cfg))
+
     def _shards(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        parts = split_by_tokens(samples, self.dp_size)
+        parts = self._parts(samples)
         return [[samples[i] for i in parts[r["dp_rank"]]] for r in self.ranks]
 
     def _call(self, method: str, samples: Sequence[TrainSample], *args: Any) -> list[Any]:
@@ -281,7 +285,7 @@ class TrainerGroup:
         order of `samples` (each DP group scores its share)."""
         import ray
 
-        parts = split_by_tokens(samples, self.dp_size)
+        parts = self._parts(samples)
         with self._collective():
             outs = ray.get([w.logprobs.remote([samples[i] for i in parts[r["dp_rank"]]])
                             for w, r in zip(self.workers, self.ranks)])

@@ -72,6 +72,14 @@ def is_gdn_model(cfg: VlmrlConfig) -> bool:
     return "linear_attention" in cfg.model.lm.layer_types
 
 
+def shares_prompts(cfg: VlmrlConfig) -> bool:
+    """Whether the trainer runs a prompt once for its replies in a micro-batch
+    (`trainer.share_prompts`; null: on CPU ranks, where it needs no other setting)."""
+    if cfg.trainer.share_prompts is not None:
+        return bool(cfg.trainer.share_prompts)
+    return cfg.hardware.device == "cpu" and cfg.parallel.cp == 1
+
+
 def is_moe_model(cfg: VlmrlConfig) -> bool:
     return cfg.model.lm.num_experts > 0
 

@@ -351,6 +351,13 @@ class TrainerConfig(Sealable):
     # forward and backward run (the optimizer step waits for it) and goes out while the weight
     # sync runs; false: both copies are made inside the onload and the offload, in the open
     offload_overlap: bool = True
+    # The replies to one prompt in a micro-batch run the prompt once: each reply attends to
+    # the prompt's tokens and starts from its Gated DeltaNet state, instead of each repeating
+    # it (`vlmrl.training.batch`); the same losses and gradients, fewer tokens. Not with
+    # context parallelism; Gated DeltaNet on the torch path only. null: on for CPU ranks
+    # (`vlmrl.config.layout.shares_prompts`); on GPUs opt-in (there each reply's attention is
+    # a masked SDPA call, not yet measured against the varlen / FlashAttention 4 kernels)
+    share_prompts: bool | None = None
     # MoE auxiliary load-balancing loss (Megatron's aux_loss); 0 = off (the default)
     moe_aux_loss_coeff: float = 0.0
     # MoE router logits: fp32 (Megatron's float32 router) | engine (in the model's dtype, as

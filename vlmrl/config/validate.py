@@ -211,6 +211,16 @@ def check(cfg: VlmrlConfig) -> list[Violation]:
         fail("hardware-attention", f"hardware.vision_attn_implementation={hw.vision_attn_implementation} "
              "needs a GPU: use sdpa on CPU")
 
+    # --- shared prompts
+    if cfg.trainer.share_prompts:  # asked for (null: on where it runs as it is, `shares_prompts`)
+        if p.cp > 1:
+            fail("share-prompts", f"trainer.share_prompts runs a group's prompt once, which context parallelism "
+                 f"(parallel.cp={p.cp}) cannot split: set trainer.share_prompts=false or parallel.cp=1")
+        if is_gdn_model(cfg) and hw.gdn_backend != "torch":
+            fail("share-prompts", f"trainer.share_prompts runs Gated DeltaNet layers on the torch path only "
+                 f"(hardware.gdn_backend={hw.gdn_backend}): set hardware.gdn_backend=torch or "
+                 "trainer.share_prompts=false")
+
     # --- dynamic sampling
     if r.oversample < 1.0 or r.max_rounds < 1:
         fail("dynamic-sampling", f"rollout.oversample={r.oversample} must be >= 1 and rollout.max_rounds="

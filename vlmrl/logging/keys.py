@@ -77,6 +77,8 @@ perf (seconds unless stated)
   perf/filler_micro_batches     micro-batches with nothing to train on, run so that every rank
                                 runs as many under expert parallelism (an uneven split of the
                                 step's samples over data-parallel ranks)
+  perf/shared_prompt_tokens     prompt tokens the trainer did not run again: a prompt's replies
+                                in one micro-batch share its one copy (trainer.share_prompts)
   perf/offload_time, perf/onload_time, perf/engine_release_time, perf/engine_resume_time,
   perf/trim_time                colocated: the memory moves between trainer and engines made
                                 during the step, by kind
@@ -139,6 +141,7 @@ PERF_LOGPROB_TIME = "perf/logprob_time"  # the trainer's old-policy logprob pass
 PERF_MICRO_BATCHES = "perf/micro_batches"
 PERF_PAD_TOKENS = "perf/pad_tokens"
 PERF_FILLER_MICRO_BATCHES = "perf/filler_micro_batches"
+PERF_SHARED_PROMPT_TOKENS = "perf/shared_prompt_tokens"
 # colocated moves of device memory between trainer and engines (vlmrl.cluster.colocation)
 PERF_OFFLOAD_TIME = "perf/offload_time"
 PERF_ONLOAD_TIME = "perf/onload_time"

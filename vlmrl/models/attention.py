@@ -67,6 +67,11 @@ class VLPackedSeqParams(PackedSeqParams):
     # the sample offsets as host integers (from the CPU-side packing): reading them off the
     # device tensors would stall the host on the GPU once per forward
     host_offsets: list[int] | None = None
+    # shared prompts (`vlmrl.models.packing`, `PackedSequence.parents`): each sample's parent,
+    # whose real tokens (`host_seq_lens`) it attends to and whose state it starts from; -1:
+    # none. None: every sample stands alone
+    parents: list[int] | None = None
+    host_seq_lens: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._cache: dict[str, Any] = {}
@@ -229,9 +234,10 @@ class PackedSelfAttentionCore(MegatronModule):
         (`vlmrl.models.fused_layer.attention_layer`), or None where this layer attends outside
         one: a backend other than flash4, CPU or float32, CP, attention dropout in training,
         or a softmax scale other than 1/sqrt(head_dim) (the graph derives it from the head
-        size)."""
+        size), or shared prompts (`_forward_shared`)."""
         if (self.backend != "flash4" or not h.is_cuda or h.dtype not in (torch.float16, torch.bfloat16)
-                or not isinstance(p, VLPackedSeqParams) or p.cp_size != 1 or (self.dropout_p and self.training)
+                or not isinstance(p, VLPackedSeqParams) or p.cp_size != 1 or p.parents is not None
+                or (self.dropout_p and self.training)
                 or not math.isclose(self.softmax_scale, self.config.kv_channels ** -0.5)):
             return None
         return self._flash4_layout(p, h.shape[0] * h.shape[1], h.device)
@@ -267,6 +273,8 @@ class PackedSelfAttentionCore(MegatronModule):
         cp = p.cp_size if isinstance(p, VLPackedSeqParams) else 1
         if cp > 1:
             out = self._forward_cp(query, key, value, p)
+        elif isinstance(p, VLPackedSeqParams) and p.parents is not None:
+            out = self._forward_shared(query, key, value, p)
         else:
             out = self._varlen(query, key, value, p) if isinstance(p, VLPackedSeqParams) else None
             if out is None:
@@ -276,6 +284,29 @@ class PackedSelfAttentionCore(MegatronModule):
                     *(split_samples(x, offs, lens) for x in (query, key, value)))]
                 out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.reshape(out.shape[0], -1)
+
+    def _forward_shared(self, q: Tensor, k: Tensor, v: Tensor, p: VLPackedSeqParams) -> Tensor:
+        """Shared prompts: a sample with a parent attends to the parent's real tokens and,
+        causally, to its own; one without attends within itself (`_sample`)."""
+        if p.cp_size != 1:
+            raise ValueError("shared prompts do not run under context parallelism")
+        lay = p.layout()
+        offs, lens = lay["local_offsets"], lay["lens"]
+        real = p.host_seq_lens if p.host_seq_lens is not None else lens
+        outs = []
+        for j, (a, n) in enumerate(zip(offs, lens)):
+            parent = p.parents[j]
+            if parent < 0:
+                outs.append(self._sample(q[a:a + n], k[a:a + n], v[a:a + n]))
+                continue
+            pa, pn = offs[parent], real[parent]
+            keys = torch.cat([k[pa:pa + pn], k[a:a + n]])
+            values = torch.cat([v[pa:pa + pn], v[a:a + n]])
+            mask = None
+            if self.causal:  # the parent's tokens, then its own up to itself
+                mask = torch.ones(n, pn + n, dtype=torch.bool, device=q.device).tril(pn)
+            outs.append(self._sdpa(q[a:a + n], keys, values, mask, False))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _forward_cp(self, q: Tensor, k: Tensor, v: Tensor, p: VLPackedSeqParams) -> Tensor:
         group = p.cp_group if p.cp_group is not None else self.cp_group

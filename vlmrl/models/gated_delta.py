@@ -124,13 +124,19 @@ def _to_segments(x: Tensor, gather: Tensor, n: int, length: int) -> Tensor:
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           bounds: Sequence[tuple[int, int]], *, chunk: int | None = None) -> Tensor:
+                           bounds: Sequence[tuple[int, int]], *, chunk: int | None = None,
+                           initial_state: Tensor | None = None,
+                           output_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The gated delta rule over packed segments, chunked, in float32.
 
     q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk: value head j reads key head
     j // (Hv / Hk)); g, beta [T, Hv]. q and k are l2-normalised here and q is scaled by
     dk^-0.5. Returns o [T, Hv, dv] in v's dtype. `chunk`: tokens per chunk; None picks
     16..64 from the longest segment (any size gives the same result up to rounding).
+    `initial_state` [n_segments, Hv, dk, dv] (float32): each segment's state before its
+    first token (zeros where None); with `output_final_state` also returns each segment's
+    state after its last token, [n_segments, Hv, dk, dv] float32 (the zero padding that
+    evens out the segments leaves a state as it is: no decay, no write).
     """
     out_dtype = v.dtype
     t_len, hk, dk = k.shape
@@ -170,14 +176,120 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     q_decayed = qs * gamma.exp().unsqueeze(-1)
     k_tail = ks * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
     chunk_decay = gamma[..., -1].exp()  # [B, Hk, r, n]
-    state = q.new_zeros(n_seg, hk, r, dk, dv)
+    if initial_state is None:
+        state = q.new_zeros(n_seg, hk, r, dk, dv)
+    else:
+        if tuple(initial_state.shape) != (n_seg, hv, dk, dv):
+            raise ValueError(f"initial_state shaped {list(initial_state.shape)}, want [{n_seg}, {hv}, {dk}, {dv}]")
+        state = initial_state.float().reshape(n_seg, hk, r, dk, dv)
     outs = []
     for i in range(n_chunks):
         u = u_base[..., i, :, :] - w[..., i, :, :] @ state
         outs.append(q_decayed[..., i, :, :] @ state + attn[..., i, :, :] @ u)
         state = state * chunk_decay[..., i, None, None] + k_tail[..., i, :, :].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=3).reshape(n_seg, hk * r, length, dv).transpose(1, 2)  # [B, L, Hv, dv]
-    return o.reshape(n_seg * length, hv, dv).index_select(0, scatter).to(out_dtype)
+    o = o.reshape(n_seg * length, hv, dv).index_select(0, scatter).to(out_dtype)
+    return (o, state.reshape(n_seg, hv, dk, dv)) if output_final_state else o
+
+
+def recurrent_with_states(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                          bounds: Sequence[tuple[int, int]], initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`recurrent_gated_delta_rule` from given states, with each segment's final state: the
+    definition the chunked form's states are tested against."""
+    hk, hv = k.shape[1], v.shape[1]
+    q = l2norm(q.repeat_interleave(hv // hk, dim=1).float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.repeat_interleave(hv // hk, dim=1).float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    out, finals = torch.zeros_like(v), []
+    for i, (a, b) in enumerate(bounds):
+        state = v.new_zeros(hv, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state[i].float()
+        for t in range(a, b):
+            state = state * g[t].exp()[:, None, None]
+            pred = (state * k[t].unsqueeze(-1)).sum(-2)
+            state = state + k[t].unsqueeze(-1) * ((v[t] - pred) * beta[t].unsqueeze(-1)).unsqueeze(-2)
+            out[t] = (state * q[t].unsqueeze(-1)).sum(-2)
+        finals.append(state)
+    return out, torch.stack(finals)
+
+
+# --------------------------------------------------------------------------- shared prompts
+class SharedLayout:
+    """Index maps of a shared-prompt layout (`PackedSequence.parents`) for a Gated DeltaNet
+    layer, built once per forward from the host layout and shared by the layers:
+
+    - the short convolution runs over `conv_index` (every segment's rows; a segment with a
+      parent preceded by its parent's last K-1 real rows, so it continues the parent's
+      window) in `conv_bounds`; `conv_keep` picks the packed rows back out of its output;
+    - the recurrence runs twice: over the roots' rows (`root_index`, `root_bounds`, each
+      root's final state kept), then over the children's (`child_index`, `child_bounds`),
+      each child from its parent's state (`child_parent`: the parent's place among the
+      roots); `order` puts the two outputs back in packed order."""
+
+    def __init__(self, offsets: Sequence[int], real_lens: Sequence[int], parents: Sequence[int], conv_k: int,
+                 device: torch.device) -> None:
+        offsets = [int(x) for x in offsets]
+        lens = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        if len(parents) != len(lens) or len(real_lens) != len(lens):
+            raise ValueError(f"{len(parents)} parents and {len(real_lens)} lengths for {len(lens)} segments")
+        conv, conv_bounds, keep = [], [], []
+        roots, root_bounds, root_pos = [], [], {}
+        children, child_bounds, child_parent = [], [], []
+        at = 0
+        for j, (a, n) in enumerate(zip(offsets[:-1], lens)):
+            p = int(parents[j])
+            rows = list(range(a, a + n))
+            if p < 0:
+                tail = []
+                root_pos[j] = len(root_bounds)
+                root_bounds.append((len(roots), len(roots) + n))
+                roots.extend(rows)
+            else:
+                if p not in root_pos:
+                    raise ValueError(f"segment {j}: its parent {p} is not a segment before it without a parent")
+                pa, pn = offsets[p], int(real_lens[p])
+                tail = list(range(pa + max(0, pn - (conv_k - 1)), pa + pn))
+                child_bounds.append((len(children), len(children) + n))
+                child_parent.append(root_pos[p])
+                children.extend(rows)
+            conv_bounds.append((at, at + len(tail) + n))
+            keep.extend(range(at + len(tail), at + len(tail) + n))
+            conv.extend(tail + rows)
+            at += len(tail) + n
+        self.conv_bounds, self.root_bounds, self.child_bounds = conv_bounds, root_bounds, child_bounds
+        as_index = functools.partial(torch.tensor, dtype=torch.long)
+        self.conv_index = to_device(as_index(conv), device)
+        self.conv_keep = to_device(as_index(keep), device)
+        self.root_index = to_device(as_index(roots), device)
+        self.child_index = to_device(as_index(children), device)
+        self.child_parent = to_device(as_index(child_parent), device)
+        inverse = torch.empty(len(roots) + len(children), dtype=torch.long)
+        inverse[as_index(roots + children)] = torch.arange(len(roots) + len(children))
+        self.order = to_device(inverse, device)
+
+
+def shared_causal_conv1d(x: Tensor, weight: Tensor, layout: SharedLayout) -> Tensor:
+    """`causal_conv1d` (+ SiLU) of packed x [T, C] over a shared-prompt layout: a child's
+    first tokens see its parent's last ones, as they would right after them."""
+    out = causal_conv1d(x.index_select(0, layout.conv_index), weight, layout.conv_bounds)
+    return out.index_select(0, layout.conv_keep)
+
+
+def shared_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                            layout: SharedLayout) -> Tensor:
+    """`chunk_gated_delta_rule` over a shared-prompt layout: the roots from zero states, then
+    each child from its parent's final state (the gradient of every child reaches its
+    parent's tokens through that state)."""
+    def rows(x: Tensor, index: Tensor) -> Tensor:
+        return x.index_select(0, index)
+
+    parts = (q, k, v, g, beta)
+    o_root, finals = chunk_gated_delta_rule(*(rows(x, layout.root_index) for x in parts), layout.root_bounds,
+                                            output_final_state=True)
+    if not layout.child_bounds:
+        return o_root.index_select(0, layout.order)
+    o_child = chunk_gated_delta_rule(*(rows(x, layout.child_index) for x in parts), layout.child_bounds,
+                                     initial_state=finals.index_select(0, layout.child_parent))
+    return torch.cat([o_root, o_child]).index_select(0, layout.order)
 
 
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

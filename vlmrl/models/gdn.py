@@ -170,6 +170,8 @@ class GatedDeltaNet(MegatronModule):
         beta [T, heads_v] -> o [T, heads_v, dv]. The part of the layer that stays eager on
         the compiled path (`vlmrl.models.fused_layer`): fla's kernels or the torch reference."""
         total = mixed.shape[0]
+        if p.parents is not None:
+            return self._shared_recurrence(mixed, g, beta, p, conv_w, heads_k, heads_v)
         bounds = gd.segment_bounds(p.layout()["whole_offsets"][:-1], total)
         if self.backend == "fla":
             offsets = p._cache.get("gdn_offsets")
@@ -184,6 +186,24 @@ class GatedDeltaNet(MegatronModule):
         if self.backend == "fla":
             return gd.fla_gated_delta_rule(q, k, v, g, beta, offsets)
         return gd.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
+
+    def _shared_recurrence(self, mixed: Tensor, g: Tensor, beta: Tensor, p: VLPackedSeqParams, conv_w: Tensor,
+                           heads_k: int, heads_v: int) -> Tensor:
+        """`recurrence` over shared prompts (`PackedSequence.parents`): each reply continues
+        its prompt's convolution window and recurrent state (`gated_delta.SharedLayout`), on
+        the torch path (fla's kernels are not given per-sample states here)."""
+        if self.backend != "torch":
+            raise ValueError("shared prompts (trainer.share_prompts) run Gated DeltaNet on the torch path only: "
+                             "set hardware.gdn_backend=torch")
+        total = mixed.shape[0]
+        layout = p._cache.get("gdn_shared")
+        if layout is None:
+            lay = p.layout()
+            layout = p._cache["gdn_shared"] = gd.SharedLayout(
+                lay["whole_offsets"], p.host_seq_lens or lay["lens"], p.parents, conv_w.shape[-1], mixed.device)
+        mixed = gd.shared_causal_conv1d(mixed, conv_w, layout).view(total, heads_k, self.group)
+        q, k, v = mixed.split([self.dk, self.dk, self.ratio * self.dv], dim=-1)
+        return gd.shared_gated_delta_rule(q, k, v.reshape(total, heads_v, self.dv), g, beta, layout)
 
 
 # --------------------------------------------------------------------------- context parallel

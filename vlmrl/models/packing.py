@@ -17,6 +17,11 @@ Pure tensor functions (torch only, no process groups):
 - `share_images`: samples whose images are another sample's (a prompt's group of replies)
   read that sample's image features: the vision tower runs on each distinct image once.
 - `unpack` / `cp_merge`: per-token outputs back to samples / to the unsplit order.
+- Shared prompts (`PackSample.parent`): a segment may continue another one, its parent,
+  instead of starting afresh: a group's prompt is packed once and each reply is a segment
+  whose tokens attend to the prompt's (attention) or start from its final state (Gated
+  DeltaNet), with the positions they have after the prompt. One level only: a parent has
+  no parent. `vlmrl.training.batch` builds such layouts (`trainer.share_prompts`).
 
 Layout conventions (those of TransformerEngine's THD format): `cu_seqlens` are the cumulative
 real lengths, `cu_seqlens_padded` the cumulative padded lengths, i.e. the sample offsets in
@@ -47,6 +52,13 @@ class PackSample:
     # the experts the rollout engine routed each token to, [n_rows <= T, layers, top-k] for the
     # sample's first n_rows tokens (engines report all but the last); None: not known
     routed_experts: Tensor | None = None
+    # the index of an earlier sample this one continues (a reply after its group's prompt,
+    # which is packed once as that sample): its tokens come after the parent's real tokens,
+    # with `position_ids` as they are there; None: the sample starts afresh
+    parent: int | None = None
+    # [3, n] M-RoPE positions of the sample's tokens (a continuation's, after its parent);
+    # None: computed from the sample alone (`mrope_position_ids`)
+    position_ids: Tensor | None = None
 
 
 @dataclass
@@ -79,6 +91,10 @@ class PackedSequence:
     # the grids of the images the vision tower runs, in the order of its features, where samples
     # share images (`share_images`); None: every image of every sample (`image_grid_thw`)
     vision_grid_thw: Tensor | None = None
+    # per sample: the index of the sample it continues (its tokens attend to that sample's
+    # real tokens and start from its state), -1 where it starts afresh; None: every sample
+    # starts afresh. Parents are unpadded and come before their children.
+    parents: list[int] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -219,8 +235,13 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
             raise ValueError(f"sample {i} is empty")
         grid = (torch.zeros(0, 3, dtype=torch.long) if s.image_grid_thw is None
                 else torch.as_tensor(s.image_grid_thw).long().view(-1, 3))
-        pos = mrope_position_ids(ids, grid, image_token_id=image_token_id,
-                                 spatial_merge_size=spatial_merge_size, sample_index=i, prompt_len=s.prompt_len)
+        if s.position_ids is not None:
+            pos = torch.as_tensor(s.position_ids).long()
+            if tuple(pos.shape) != (3, n):
+                raise ValueError(f"sample {i}: position_ids shaped {list(pos.shape)} for {n} tokens (want [3, {n}])")
+        else:
+            pos = mrope_position_ids(ids, grid, image_token_id=image_token_id,
+                                     spatial_merge_size=spatial_merge_size, sample_index=i, prompt_len=s.prompt_len)
         is_image = image_placeholders(ids, image_token_id, s.prompt_len)
         mask = (torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask).float().view(-1))
         if mask.shape[0] != n:
@@ -250,6 +271,7 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
     input_ids = torch.cat(ids_l)
     total = input_ids.shape[0]
     routed = _pack_routed_experts(samples, padded_lens, total)
+    parents = _parents(samples, seq_lens, padded_lens)
     return PackedSequence(
         input_ids=input_ids,
         position_ids=torch.cat(pos_l, dim=1),
@@ -266,7 +288,31 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         token_index=torch.arange(total),
         image_token_id=image_token_id,
         routed_experts=routed,
+        parents=parents,
     )
+
+
+def _parents(samples: Sequence[PackSample], seq_lens: list[int], padded_lens: list[int]) -> list[int] | None:
+    """Each sample's parent (-1: none), checked: an earlier sample, unpadded (its children
+    start from its last real token), that continues nothing itself; a child brings no images
+    (they belong to the prompt). None where no sample has a parent."""
+    if all(s.parent is None for s in samples):
+        return None
+    out = []
+    for i, s in enumerate(samples):
+        p = -1 if s.parent is None else int(s.parent)
+        if p >= 0:
+            if not p < i:
+                raise ValueError(f"sample {i}: its parent {p} does not come before it")
+            if samples[p].parent is not None:
+                raise ValueError(f"sample {i}: its parent {p} continues sample {samples[p].parent} (one level only)")
+            if padded_lens[p] != seq_lens[p]:
+                raise ValueError(f"sample {i}: its parent {p} is padded ({seq_lens[p]} -> {padded_lens[p]} tokens); "
+                                 "a parent's state must end at its last real token")
+            if s.image_grid_thw is not None and len(torch.as_tensor(s.image_grid_thw).view(-1, 3)):
+                raise ValueError(f"sample {i} continues sample {p} but has images of its own")
+        out.append(p)
+    return out
 
 
 def _pack_routed_experts(samples: Sequence[PackSample], padded_lens: list[int], total: int) -> Tensor | None:
@@ -380,6 +426,8 @@ def split_for_cp(packed: PackedSequence, cp_size: int, cp_rank: int) -> PackedSe
         raise ValueError("split_for_cp takes the whole packed sequence")
     if cp_size == 1:
         return packed
+    if packed.parents is not None:
+        raise ValueError("context parallelism does not split shared-prompt layouts (samples with parents)")
     idx = zigzag_index(packed.padded_lens, cp_size, cp_rank)
     # ordinal of each image token among all image tokens of the whole sequence
     is_image = packed.image_mask

@@ -101,6 +101,7 @@ class QwenVLModel(MegatronModule):
             cu_seqlens_kv_padded=cu_padded, max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen,
             cp_group=cp_group, rope_cos=cos, rope_sin=sin, cp_size=packed.cp_size, cp_rank=packed.cp_rank,
             host_offsets=[int(x) for x in packed.cu_seqlens_padded.tolist()],
+            parents=packed.parents, host_seq_lens=list(packed.seq_lens) if packed.parents is not None else None,
         )
 
     def _hand_engine_routing(self, packed: PackedSequence, device: torch.device) -> None:

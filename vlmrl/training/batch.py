@@ -6,6 +6,14 @@ score token t+1, so `shift` moves masks, rollout logprobs and targets one positi
 within each sample. Samples are then split over data-parallel ranks and packed into
 micro-batches without padding between samples (dynamic batching by a token budget, or a
 fixed number of samples).
+
+With `share_prompts` (`trainer.share_prompts`) the replies of one prompt in a micro-batch run
+the prompt once: it is packed as a segment of its own and each reply as a segment that
+continues it (`PackSample.parent`). The loss then reads the model's outputs through
+`MicroBatch.logit_index`: one row per position of each sample that predicts one of its
+response tokens (the prompt's last row for the first, shared by the group), so every
+per-token tensor of the loss (targets, masks, advantages, logprobs) and its sample offsets
+are those of the samples as they were, minus their prompts.
 """
 
 from __future__ import annotations
@@ -16,7 +24,15 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from ..models.packing import PackedSequence, PackSample, graph_bucket, pack, share_images, split_for_cp
+from ..models.packing import (
+    PackedSequence,
+    PackSample,
+    graph_bucket,
+    mrope_position_ids,
+    pack,
+    share_images,
+    split_for_cp,
+)
 
 
 @dataclass
@@ -82,10 +98,36 @@ class MicroBatch:
     # (`even_micro_batches`)
     filler: bool = False
     staged_cu_seqlens: Tensor | None = None  # the loss's copy of cu_seqlens on the device (`staged`)
+    # shared prompts: the rows of the model's output the per-token tensors above are read from
+    # ([T_loss] long), and the samples' offsets in those tensors ([n+1] int32); None: the
+    # per-token tensors are aligned with `packed` itself
+    logit_index: Tensor | None = None
+    loss_cu_seqlens: Tensor | None = None
+    shared_prompt_tokens: int = 0  # prompt tokens the model did not run again (`share_prompts`)
 
     @property
     def cu_seqlens(self) -> Tensor:
-        return self.staged_cu_seqlens if self.staged_cu_seqlens is not None else self.packed.local_cu_seqlens
+        """The samples' offsets in the per-token loss tensors."""
+        if self.staged_cu_seqlens is not None:
+            return self.staged_cu_seqlens
+        return self.loss_cu_seqlens if self.loss_cu_seqlens is not None else self.packed.local_cu_seqlens
+
+    def outputs(self, logits: Tensor) -> Tensor:
+        """The model's per-token outputs (logits [T, ...]) aligned with the loss tensors."""
+        return logits if self.logit_index is None else logits.index_select(0, self.logit_index.to(logits.device))
+
+    def sample_values(self, values: Tensor) -> list[Tensor]:
+        """Per-token values aligned with the loss tensors (whole sequence) -> each sample's
+        values at its loss-masked positions, in sample order."""
+        if self.loss_cu_seqlens is not None:
+            cu = self.loss_cu_seqlens.tolist()
+            return [values[a:b][self.loss_mask[a:b].cpu() > 0] for a, b in zip(cu[:-1], cu[1:])]
+        whole = self.whole
+        out = []
+        for j in range(whole.num_samples):
+            a, n = int(whole.cu_seqlens_padded[j]), whole.seq_lens[j]
+            out.append(values[a:a + n][whole.loss_mask[a:a + n] > 0])
+        return out
 
     def staged(self, device: torch.device) -> MicroBatch:
         """This micro-batch with the loss's per-token tensors and sample offsets on `device`
@@ -98,7 +140,9 @@ class MicroBatch:
                        advantages=to_device(self.advantages, device),
                        rollout_logp=to_device(self.rollout_logp, device),
                        extras={k: to_device(v, device) for k, v in self.extras.items()},
-                       staged_cu_seqlens=to_device(self.packed.local_cu_seqlens, device))
+                       staged_cu_seqlens=to_device(self.loss_cu_seqlens if self.loss_cu_seqlens is not None
+                                                   else self.packed.local_cu_seqlens, device),
+                       logit_index=None if self.logit_index is None else to_device(self.logit_index, device))
 
 
 def _place(values: list[float] | None, mask: Tensor) -> Tensor:
@@ -124,15 +168,25 @@ def shifted(sample: TrainSample) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return targets, out_mask, _place(sample.rollout_logprobs, mask), _place(sample.old_logprobs, mask)
 
 
-def split_by_tokens(samples: Sequence[TrainSample], parts: int) -> list[list[int]]:
-    """Indices of `samples` for each of `parts` ranks, balancing token counts (greedy LPT)."""
-    order = sorted(range(len(samples)), key=lambda i: -samples[i].num_tokens)
+def split_by_tokens(samples: Sequence[TrainSample], parts: int, keep_prompts: bool = False) -> list[list[int]]:
+    """Indices of `samples` for each of `parts` ranks, balancing token counts (greedy LPT).
+    `keep_prompts` (`trainer.share_prompts`): a prompt's samples go to one rank together,
+    costed at the tokens they run there (the prompt once), where there are at least as many
+    prompts as ranks; fewer, and the samples are split one by one."""
+    units = [[i] for i in range(len(samples))]
+    cost = [samples[i].num_tokens for i in range(len(samples))]
+    if keep_prompts and parts > 1:
+        groups = prompt_groups(samples)
+        if len(groups) >= parts:
+            units = groups
+            cost = [sum(samples[i].num_tokens for i in g) - (len(g) - 1) * samples[g[0]].prompt_len for g in groups]
+    order = sorted(range(len(units)), key=lambda u: -cost[u])
     loads = [0] * parts
     out: list[list[int]] = [[] for _ in range(parts)]
-    for i in order:
+    for u in order:
         r = min(range(parts), key=lambda k: (loads[k], len(out[k])))
-        out[r].append(i)
-        loads[r] += samples[i].num_tokens
+        out[r].extend(units[u])
+        loads[r] += cost[u]
     return [sorted(x) for x in out]
 
 
@@ -224,15 +278,47 @@ def image_owners(samples: Sequence[TrainSample]) -> list[int | None]:
     return owners
 
 
+def prompt_groups(samples: Sequence[TrainSample], owners: Sequence[int | None] | None = None) -> list[list[int]]:
+    """Indices of `samples` grouped by their prompt, in order of first appearance: the same
+    tokens before the first trained one and the same images (`image_owners`). A group of one
+    is a sample no other shares its prompt with."""
+    owners = image_owners(samples) if owners is None else owners
+    by_key: dict[tuple, int] = {}
+    groups: list[list[int]] = []
+    for i, s in enumerate(samples):
+        n = s.prompt_len
+        key = (n, owners[i], tuple(s.input_ids[:n]))
+        if n >= s.num_tokens:  # nothing after its prompt: it stays whole
+            groups.append([i])
+            continue
+        g = by_key.get(key)
+        if g is None:
+            by_key[key] = len(groups)
+            groups.append([i])
+        else:
+            groups[g].append(i)
+    return groups
+
+
 def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, spatial_merge_size: int,
                       cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, pad_token_id: int = 0,
-                      bucket: bool = False) -> MicroBatch:
+                      bucket: bool = False, share_prompts: bool = False) -> MicroBatch:
     """Pack `samples` (the whole micro-batch) and keep this CP rank's share.
 
     Each sample is padded to a multiple of 2*cp (zigzag chunks) times the sequence-parallel
     size (the sequence is split evenly over TP ranks); padding is masked out of the loss.
     With `bucket` (CUDA graphs) the last sample is padded further, to the token count
-    `graph_bucket` gives."""
+    `graph_bucket` gives. With `share_prompts` (no CP) samples with the same prompt run it
+    once (`build_shared_micro_batch`) where any two do."""
+    if share_prompts:
+        if cp_size > 1:
+            raise ValueError("shared prompts need cp_size 1 (context parallelism splits every sample)")
+        owners = image_owners(samples)
+        groups = prompt_groups(samples, owners)
+        if any(len(g) > 1 for g in groups):
+            return build_shared_micro_batch(samples, groups, owners, image_token_id=image_token_id,
+                                            spatial_merge_size=spatial_merge_size, sp_size=sp_size,
+                                            pad_token_id=pad_token_id, bucket=bucket)
     parts = [shifted(s) for s in samples]
     multiple = (2 * cp_size if cp_size > 1 else 1) * sp_size
     pad_to = None
@@ -271,3 +357,113 @@ def build_micro_batch(samples: Sequence[TrainSample], *, image_token_id: int, sp
     if all(s.old_logprobs is not None for s in samples):
         mb.extras["old_logp"] = old[idx]
     return mb
+
+
+def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Sequence[int]],
+                             owners: Sequence[int | None], *, image_token_id: int, spatial_merge_size: int,
+                             sp_size: int = 1, pad_token_id: int = 0, bucket: bool = False) -> MicroBatch:
+    """The micro-batch of `samples` with each group of `groups` (indices sharing a prompt,
+    `prompt_groups`) packed as its prompt followed by its members' responses, each response
+    a segment continuing the prompt's (`PackSample.parent`); a group of one stays one
+    segment. The packed sequence's own loss mask is zero (the loss reads its own tensors).
+    Segments are not padded (a parent's state ends at its last real token); the
+    last is padded so that the total is a multiple of `sp_size` (or the CUDA-graph bucket).
+
+    The loss tensors hold, per sample in order, its positions P-1 .. n-2 (P its prompt
+    length, n its tokens): the positions whose logits score its response tokens, read from
+    the packed rows `logit_index` gives (position P-1 is the prompt segment's last row)."""
+    segs: list[PackSample] = []
+    seg_pixels: list[Tensor] = []
+    row_of: list[Tensor] = [torch.empty(0)] * len(samples)  # each sample's tokens -> packed rows
+    offset = 0
+    for g in groups:
+        first = samples[g[0]]
+        full_pos = [mrope_position_ids(torch.as_tensor(samples[i].input_ids), samples[i].image_grid_thw,
+                                       image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
+                                       sample_index=i, prompt_len=samples[i].prompt_len) for i in g]
+        if len(g) == 1:
+            i = g[0]
+            segs.append(PackSample(first.input_ids, [0.0] * first.num_tokens, first.image_grid_thw, first.prompt_len,
+                                   first.routed_experts, position_ids=full_pos[0]))
+            if first.pixel_values is not None and owners[i] == i:
+                seg_pixels.append(first.pixel_values)
+            row_of[i] = torch.arange(offset, offset + first.num_tokens)
+            offset += first.num_tokens
+            continue
+        p_len = first.prompt_len
+        prompt_rows = None if first.routed_experts is None else first.routed_experts[:p_len]
+        parent = len(segs)
+        segs.append(PackSample(first.input_ids[:p_len], [0.0] * p_len, first.image_grid_thw, p_len, prompt_rows,
+                               position_ids=full_pos[0][:, :p_len]))
+        if first.pixel_values is not None and owners[g[0]] == g[0]:
+            seg_pixels.append(first.pixel_values)
+        prompt_at = offset
+        offset += p_len
+        for k, i in enumerate(g):
+            s = samples[i]
+            r = s.num_tokens - p_len
+            rows = None if s.routed_experts is None else s.routed_experts[p_len:]
+            segs.append(PackSample(s.input_ids[p_len:], [0.0] * r, None, 0, rows if rows is None or len(rows) else None,
+                                   parent=parent, position_ids=full_pos[k][:, p_len:]))
+            row_of[i] = torch.cat([torch.arange(prompt_at, prompt_at + p_len), torch.arange(offset, offset + r)])
+            offset += r
+    total = offset
+    pad_to = graph_bucket(total, sp_size) if bucket else -(-total // sp_size) * sp_size
+    whole = pack(segs, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
+                 pad_token_id=pad_token_id, pad_to=pad_to if pad_to != total else None)
+    seg_owners = _segment_owners(segs, samples, groups, owners)
+    if any(o is not None and o != i for i, o in enumerate(seg_owners)):
+        whole = share_images(whole, seg_owners)
+    # the loss layout: per sample, its positions prompt_len - 1 .. n - 2
+    index, targets, masks, adv, lp, old, lens = [], [], [], [], [], [], []
+    for i, s in enumerate(samples):
+        t, m, r, o = shifted(s)
+        a, b = s.prompt_len - 1, s.num_tokens - 1
+        if a < 0:
+            raise ValueError(f"sample {i}: a response needs a prompt token before it")
+        index.append(row_of[i][a:b])
+        targets.append(t[a:b])
+        masks.append(m[a:b])
+        lp.append(r[a:b])
+        old.append(o[a:b])
+        adv.append(torch.full((b - a,), float(s.advantage)))
+        lens.append(b - a)
+    loss_mask = torch.cat(masks)
+    mb = MicroBatch(
+        packed=whole,
+        pixel_values=torch.cat(seg_pixels) if seg_pixels else None,
+        targets=torch.cat(targets),
+        loss_mask=loss_mask,
+        advantages=torch.cat(adv),
+        rollout_logp=torch.cat(lp),
+        has_rollout_logp=all(s.rollout_logprobs is not None for s in samples),
+        num_samples=len(samples),
+        whole=whole,
+        logit_index=torch.cat(index),
+        loss_cu_seqlens=_cumsum_lens(lens),
+        shared_prompt_tokens=sum((len(g) - 1) * samples[g[0]].prompt_len for g in groups if len(g) > 1),
+    )
+    if all(s.old_logprobs is not None for s in samples):
+        mb.extras["old_logp"] = torch.cat(old)
+    return mb
+
+
+def _segment_owners(segs: Sequence[PackSample], samples: Sequence[TrainSample], groups: Sequence[Sequence[int]],
+                    owners: Sequence[int | None]) -> list[int | None]:
+    """The image owner of each packed segment (`share_images`), from the samples' owners: a
+    group's prompt segment holds the images of its first member; replies hold none."""
+    seg_of_sample: dict[int, int] = {}
+    out: list[int | None] = []
+    for g in groups:
+        seg_of_sample[g[0]] = len(out)
+        out.append(None if owners[g[0]] is None else owners[g[0]])
+        if len(g) > 1:
+            out.extend([None] * len(g))
+    return [None if o is None else seg_of_sample[o] for o in out]
+
+
+def _cumsum_lens(lengths: Sequence[int]) -> Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return out

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from ..algo import losses
+from ..config.layout import shares_prompts
 from ..config.schema import VlmrlConfig
 from ..models.kernels import begin_graph_step
 from .batch import MicroBatch, TrainSample, build_micro_batch, even_micro_batches, micro_batches
@@ -178,7 +179,8 @@ def micro_batch_metrics(mbs: Sequence[MicroBatch]) -> dict[str, float]:
     micro-batches, and how many were fillers (`even_micro_batches`)."""
     pad = sum(mb.whole.num_tokens - (0 if mb.filler else sum(mb.whole.seq_lens)) for mb in mbs)
     return {"perf/micro_batches": float(len(mbs)), "perf/pad_tokens": float(pad),
-            "perf/filler_micro_batches": float(sum(mb.filler for mb in mbs))}
+            "perf/filler_micro_batches": float(sum(mb.filler for mb in mbs)),
+            "perf/shared_prompt_tokens": float(sum(mb.shared_prompt_tokens for mb in mbs))}
 
 
 def _filler_loss(mb: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict]:
@@ -207,6 +209,7 @@ class MegatronTrainer:
         lap("parallel_state")
         self.dtype = DTYPES[cfg.hardware.train_dtype]
         self.cuda_graphs = cuda_graphs_in_training(cfg)
+        self.share_prompts = shares_prompts(cfg)  # a prompt's replies in a micro-batch run it once
         from ..models import routing
 
         overrides = {"calculate_per_token_loss": True,
@@ -606,7 +609,8 @@ class MegatronTrainer:
                                           spatial_merge_size=m.vision.spatial_merge_size, cp_size=self.info.cp_size,
                                           cp_rank=self.info.cp_rank,
                                           sp_size=self.info.tp_size if p.sequence_parallel else 1,
-                                          bucket=self.cuda_graphs), filler=min(g) >= real).staged(dev)
+                                          bucket=self.cuda_graphs, share_prompts=self.share_prompts),
+                        filler=min(g) >= real).staged(dev)
                 for g in groups]
 
     def _step_micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
@@ -619,6 +623,7 @@ class MegatronTrainer:
                         temperature: float | None = None) -> tuple[Tensor, Tensor | None]:
         """Logprobs of the targets; RL uses the rollout temperature (the engines' contract)."""
         t = self._temperature() if temperature is None else temperature
+        logits = mb.outputs(logits)  # shared prompts: the rows the loss tensors read
         return logprobs_and_entropy(logits, mb.targets.to(logits.device), temperature=t,
                                     vocab_start=self._vocab_start(logits), group=self.tp_group,
                                     with_entropy=with_entropy, fused=self.cfg.hardware.fused_kernels)
@@ -794,12 +799,8 @@ class MegatronTrainer:
                 shares = [torch.empty_like(logp) for _ in range(self.info.cp_size)]
                 dist.all_gather(shares, logp.contiguous(), group=mps.get_context_parallel_group())
                 logp = cp_merge([x.cpu() for x in shares], mb.whole.padded_lens)
-            logp = logp.cpu()
-            whole = mb.whole
-            for j, i in enumerate(g):
-                a, n = int(whole.cu_seqlens_padded[j]), whole.seq_lens[j]
-                sel = whole.loss_mask[a:a + n] > 0
-                out[i] = logp[a:a + n][sel]
+            for i, values in zip(g, mb.sample_values(logp.cpu())):
+                out[i] = values
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ weights
