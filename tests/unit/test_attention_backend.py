@@ -118,3 +118,58 @@ def test_startup_checks_compare_relative_to_the_reference_and_stop_at_nan():
     assert bad == ("b", worst) and abs(worst - 0.05) < 1e-6
     worst, bad = worst_relative([("a", torch.tensor([float("nan"), 0.0]), want)], 2e-2)
     assert bad is not None and bad[0] == "a" and worst != worst
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_shared_prompt_attention_equals_each_reply_attending_after_its_prompt(grouped):
+    """Shared prompts (`PackedSequence.parents`): the replies read the prompt's keys and values
+    and their own, causally, in one masked call per prompt (CPU) or one call per reply (CUDA);
+    outputs and gradients equal attention over each whole sample (prompt + reply)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vlmrl.models.attention import PackedSelfAttentionCore, VLPackedSeqParams
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=16, attention_dropout=0.0)
+    core = PackedSelfAttentionCore(cfg, 1, AttnMaskType.causal, backend="sdpa")
+    core.shared_grouped = grouped
+    prompt, replies, alone = 7, [3, 5, 1], 4
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(prompt + sum(replies) + alone, h, 16, generator=g, dtype=torch.float64)
+           for h in (4, 2, 2)]
+    shared_lens = [prompt, *replies, alone]
+    offsets = [0]
+    for n in shared_lens:
+        offsets.append(offsets[-1] + n)
+    params = VLPackedSeqParams(qkv_format="thd", host_offsets=offsets, parents=[-1, 0, 0, 0, -1],
+                               host_seq_lens=shared_lens)
+    leaves = [x.clone().requires_grad_(True) for x in qkv]
+    got = core.attend(*leaves, params)
+    weights = torch.randn(got.shape, generator=g, dtype=got.dtype)
+    (got * weights).sum().backward()
+    # the same as whole samples: the prompt repeated before each reply
+    rows = []
+    for i, n in enumerate(replies):
+        rows += [list(range(prompt)), list(range(offsets[i + 1], offsets[i + 1] + n))]
+    rows.append(list(range(offsets[-2], offsets[-1])))
+    index = torch.tensor([r for part in rows for r in part])
+    whole_lens = [prompt + n for n in replies] + [alone]
+    whole_offsets = [0]
+    for n in whole_lens:
+        whole_offsets.append(whole_offsets[-1] + n)
+    whole = [x.detach().index_select(0, index).requires_grad_(True) for x in qkv]
+    want = core.attend(*whole, VLPackedSeqParams(qkv_format="thd", host_offsets=whole_offsets))
+    # the shared layout's rows in the whole layout: the first copy of the prompt, each reply, the sample alone
+    keep = list(range(prompt))
+    for i, n in enumerate(replies):
+        keep += list(range(whole_offsets[i] + prompt, whole_offsets[i] + prompt + n))
+    keep += list(range(whole_offsets[-2], whole_offsets[-1]))
+    assert torch.allclose(got, want[keep], atol=1e-12)
+    # the whole layout's loss with the shared weights; the prompt's copies carry the first copy's outputs
+    whole_weights = torch.zeros_like(want)
+    whole_weights[keep] = weights
+    (want * whole_weights).sum().backward()
+    for leaf, w in zip(leaves, whole):
+        grad = torch.zeros_like(leaf).index_add_(0, index, w.grad)
+        assert torch.allclose(leaf.grad, grad, atol=1e-12)

@@ -135,6 +135,10 @@ def _cp_key_index(layout: dict[str, Any], cp: int, t_local: int, device: torch.d
 class PackedSelfAttentionCore(MegatronModule):
     """`core_attention` for THD-packed samples (see the module docstring)."""
 
+    # shared prompts: a prompt and its replies in one masked call (True) or a call per reply
+    # (False); None: one call off CUDA, a call per reply on CUDA (`_forward_shared`)
+    shared_grouped: bool | None = None
+
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", cp_comm_type: str | None = None,
                  softmax_scale: float | None = None, pg_collection: Any = None, backend: str = "sdpa",
@@ -287,25 +291,43 @@ class PackedSelfAttentionCore(MegatronModule):
 
     def _forward_shared(self, q: Tensor, k: Tensor, v: Tensor, p: VLPackedSeqParams) -> Tensor:
         """Shared prompts: a sample with a parent attends to the parent's real tokens and,
-        causally, to its own; one without attends within itself (`_sample`)."""
+        causally, to its own; one without attends within itself (`_sample`). On CPU a prompt
+        and its replies are one SDPA call under a block mask (the call, not the arithmetic,
+        costs there); elsewhere each reply is a call over the prompt's keys and its own."""
         if p.cp_size != 1:
             raise ValueError("shared prompts do not run under context parallelism")
         lay = p.layout()
         offs, lens = lay["local_offsets"], lay["lens"]
         real = p.host_seq_lens if p.host_seq_lens is not None else lens
-        outs = []
-        for j, (a, n) in enumerate(zip(offs, lens)):
-            parent = p.parents[j]
-            if parent < 0:
-                outs.append(self._sample(q[a:a + n], k[a:a + n], v[a:a + n]))
+        qs, ks, vs = (split_samples(x, offs, lens) for x in (q, k, v))
+        kids: dict[int, list[int]] = {}
+        for j, parent in enumerate(p.parents):
+            if parent >= 0:
+                kids.setdefault(parent, []).append(j)
+        outs: list[Tensor | None] = [None] * len(lens)
+        grouped = not q.is_cuda if self.shared_grouped is None else self.shared_grouped
+        for j, parent in enumerate(p.parents):
+            if parent >= 0:
                 continue
-            pa, pn = offs[parent], real[parent]
-            keys = torch.cat([k[pa:pa + pn], k[a:a + n]])
-            values = torch.cat([v[pa:pa + pn], v[a:a + n]])
-            mask = None
-            if self.causal:  # the parent's tokens, then its own up to itself
-                mask = torch.ones(n, pn + n, dtype=torch.bool, device=q.device).tril(pn)
-            outs.append(self._sdpa(q[a:a + n], keys, values, mask, False))
+            if j not in kids:
+                outs[j] = self._sample(qs[j], ks[j], vs[j])
+                continue
+            members = [j, *kids[j]]
+            if grouped:
+                key = ("shared_mask", j, self.causal)
+                if key not in p._cache:
+                    p._cache[key] = shared_prompt_mask(real[j], [lens[c] for c in kids[j]], self.causal, q.device)
+                out = self._sdpa(*(torch.cat([x[m] for m in members]) for x in (qs, ks, vs)), p._cache[key], False)
+                for m, part in zip(members, out.split([lens[m] for m in members])):
+                    outs[m] = part
+                continue
+            outs[j] = self._sample(qs[j], ks[j], vs[j])
+            pk, pv = ks[j][:real[j]], vs[j][:real[j]]
+            for c in kids[j]:
+                n = lens[c]
+                mask = (torch.ones(n, real[j] + n, dtype=torch.bool, device=q.device).tril(real[j])
+                        if self.causal else None)
+                outs[c] = self._sdpa(qs[c], torch.cat([pk, ks[c]]), torch.cat([pv, vs[c]]), mask, False)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _forward_cp(self, q: Tensor, k: Tensor, v: Tensor, p: VLPackedSeqParams) -> Tensor:
@@ -385,6 +407,27 @@ def split_samples(x: Tensor, offsets: list[int], lens: list[int]) -> list[Tensor
         sizes.append(x.shape[0] - pos)
     parts = x.split(sizes)
     return [parts[i] for i in keep]
+
+
+def shared_prompt_mask(prompt: int, replies: list[int], causal: bool, device: torch.device) -> Tensor:
+    """[L, L] bool, L = prompt + sum(replies): which keys each query of a prompt followed by its
+    replies may read. The prompt reads itself (causally), each reply the prompt and itself
+    (causally), never another reply."""
+    total = prompt + sum(replies)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    mask[:, :prompt] = True
+    blocks = [prompt, *replies]
+    at = 0
+    for n in blocks:
+        mask[at:at + n, at:at + n] = True
+        at += n
+    if causal:
+        mask[:prompt, :prompt].tril_()
+        at = prompt
+        for n in replies:
+            mask[at:at + n, at:at + n].tril_()
+            at += n
+    return mask.to(device)
 
 
 def _plain_layout(p: PackedSeqParams) -> dict[str, Any]:
