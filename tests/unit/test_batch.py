@@ -53,6 +53,22 @@ def test_split_keeps_a_prompts_samples_on_one_rank_when_prompts_are_shared():
     assert split_by_tokens(samples[:4], 8, keep_prompts=True) == split_by_tokens(samples[:4], 8)
 
 
+def test_a_token_budget_counts_a_shared_prompt_once():
+    """With shared prompts a reply whose prompt is already in the micro-batch costs its own
+    tokens only: 4 replies of 3 tokens to one 10-token prompt take 22 tokens, not 52."""
+    from vlmrl.training.batch import shared_prompt_keys
+
+    samples = [TrainSample(list(range(10)) + [50 + i] * 3, [0.0] * 10 + [1.0] * 3) for i in range(4)]
+    samples.append(sample(6, 4, offset=80))
+    lengths = [s.num_tokens for s in samples]
+    keys = shared_prompt_keys(samples)
+    assert keys == [(0, 10)] * 4 + [(1, 0)]
+    assert micro_batches(lengths, max_tokens=32, micro_batch_size=1, prompts=keys) == [[0, 1, 2, 3, 4]]
+    assert micro_batches(lengths, max_tokens=32, micro_batch_size=1) == [[0, 1], [2, 3], [4]]
+    mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, share_prompts=True)
+    assert mb.packed.num_tokens == 22 + 10 <= 32
+
+
 def test_micro_batches_by_budget_and_by_count():
     assert micro_batches([5, 5, 5], max_tokens=None, micro_batch_size=2) == [[0, 1], [2]]
     groups = micro_batches([6, 3, 5, 2, 9], max_tokens=10, micro_batch_size=1)
@@ -354,9 +370,32 @@ def test_shared_prompts_pack_a_prompt_once_and_keep_every_samples_loss_tensors()
 def test_shared_prompt_layouts_pad_only_their_end():
     """Under sequence parallelism (or CUDA-graph buckets) the whole is padded at its end, never
     a prompt: its replies start from its last real token."""
-    samples = [sample(5, n) for n in (3, 2, 4)]  # one prompt, three replies
+    samples = [sample(5, n) for n in (3, 2, 4)]  # one prompt, three replies (packed in their tokens' order)
     mb = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, sp_size=4, share_prompts=True)
-    assert mb.packed.seq_lens == [5, 3, 2, 4] and mb.packed.padded_lens == [5, 3, 2, 6]
+    assert mb.packed.seq_lens == [5, 2, 3, 4] and mb.packed.padded_lens == [5, 2, 3, 6]
     assert mb.packed.num_tokens % 4 == 0
     bucketed = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, share_prompts=True, bucket=True)
-    assert bucketed.packed.padded_lens[:3] == [5, 3, 2] and bucketed.packed.num_tokens == 64
+    assert bucketed.packed.padded_lens[:3] == [5, 2, 3] and bucketed.packed.num_tokens == 64
+
+
+def test_a_shared_layout_does_not_follow_the_order_the_samples_come_in():
+    """The old-policy pass scores the step's samples in their order, the update in a shuffled
+    one: each prompt's replies are packed in an order of their own, so each group's segments
+    (what one attention call reads on CPU) are the same either way."""
+    img = torch.randn(16, 32)
+    samples = [_image_sample(img, [1, 4, 4], reply) for reply in ([20, 21], [23], [22, 24, 25], [21])]
+    samples.append(_image_sample(torch.randn(16, 32), [1, 4, 4], [30]))
+    samples.append(_image_sample(samples[-1].pixel_values, [1, 4, 4], [31, 32]))
+    a = build_micro_batch(samples, image_token_id=999, spatial_merge_size=2, share_prompts=True)
+    order = [5, 2, 0, 4, 3, 1]
+    b = build_micro_batch([samples[i] for i in order], image_token_id=999, spatial_merge_size=2, share_prompts=True)
+    def groups(mb):  # each prompt with its replies, in the order they are packed
+        segs = mb.packed.input_ids.split(mb.packed.padded_lens)
+        out: dict[int, list] = {}
+        for j, p in enumerate(mb.packed.parents):
+            out.setdefault(j if p < 0 else p, []).append(segs[j].tolist())
+        return sorted(out.values())
+    assert groups(a) == groups(b)
+    # each sample still reads its own rows, in the order given
+    assert torch.equal(a.targets.split(a.cu_seqlens.diff().tolist())[0], b.targets.split(b.cu_seqlens.diff().tolist())[2])
+    assert torch.equal(b.pixel_values, torch.cat([samples[5].pixel_values, img]))

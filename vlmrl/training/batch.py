@@ -190,24 +190,44 @@ def split_by_tokens(samples: Sequence[TrainSample], parts: int, keep_prompts: bo
     return [sorted(x) for x in out]
 
 
-def micro_batches(lengths: Sequence[int], *, max_tokens: int | None, micro_batch_size: int) -> list[list[int]]:
+def micro_batches(lengths: Sequence[int], *, max_tokens: int | None, micro_batch_size: int,
+                  prompts: Sequence[tuple[int, int]] | None = None) -> list[list[int]]:
     """Group sample indices into micro-batches: by a token budget (first fit in order, a
-    sample longer than the budget alone) or `micro_batch_size` samples at a time."""
+    sample longer than the budget alone) or `micro_batch_size` samples at a time.
+
+    `prompts` (shared prompts): each sample's (prompt group, prompt length), `prompt_groups`'
+    numbering; a sample joining a micro-batch that already holds its prompt costs only its
+    reply, as the shared layout runs it."""
     if max_tokens is None:
         return [list(range(i, min(i + micro_batch_size, len(lengths))))
                 for i in range(0, len(lengths), micro_batch_size)]
     groups: list[list[int]] = []
     sizes: list[int] = []
+    held: list[set[int]] = []  # the prompt groups each micro-batch holds
     for i, n in enumerate(lengths):
+        key, prompt = prompts[i] if prompts is not None else (-1, 0)
         for g, size in enumerate(sizes):
-            if size + n <= max_tokens:
+            cost = n - prompt if key in held[g] else n
+            if size + cost <= max_tokens:
                 groups[g].append(i)
-                sizes[g] += n
+                sizes[g] += cost
+                held[g].add(key)
                 break
         else:
             groups.append([i])
             sizes.append(n)
+            held.append({key})
     return groups
+
+
+def shared_prompt_keys(samples: Sequence[TrainSample]) -> list[tuple[int, int]]:
+    """Each sample's (prompt group, prompt length) for `micro_batches`: the samples of a group of
+    `prompt_groups` share its number; a sample alone has a group of its own."""
+    out: list[tuple[int, int]] = [(-1, 0)] * len(samples)
+    for k, g in enumerate(prompt_groups(samples)):
+        for i in g:
+            out[i] = (k, samples[i].prompt_len if len(g) > 1 else 0)
+    return out
 
 
 FILLER_TOKENS = 16  # a filler sample's length (padded further to the CP / SP multiple)
@@ -376,7 +396,14 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
     seg_pixels: list[Tensor] = []
     row_of: list[Tensor] = [torch.empty(0)] * len(samples)  # each sample's tokens -> packed rows
     offset = 0
-    for g in groups:
+    # a group's replies in an order of their own (their tokens), not the batch's: a prompt and its
+    # replies attend in one call on CPU, whose sums follow the keys' order, so a reply's logprobs do
+    # not change with the order the samples come in (the old-policy pass and a shuffled update agree)
+    groups = [sorted(g, key=lambda i: (samples[i].input_ids[samples[i].prompt_len:], i)) for g in groups]
+    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    # the group whose segment holds each image: the one of the image's owner (`image_owners`)
+    holds_image = [owners[g[0]] is not None and group_of[owners[g[0]]] == k for k, g in enumerate(groups)]
+    for k, g in enumerate(groups):
         first = samples[g[0]]
         full_pos = [mrope_position_ids(torch.as_tensor(samples[i].input_ids), samples[i].image_grid_thw,
                                        image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
@@ -385,7 +412,7 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
             i = g[0]
             segs.append(PackSample(first.input_ids, [0.0] * first.num_tokens, first.image_grid_thw, first.prompt_len,
                                    first.routed_experts, position_ids=full_pos[0]))
-            if first.pixel_values is not None and owners[i] == i:
+            if first.pixel_values is not None and holds_image[k]:
                 seg_pixels.append(first.pixel_values)
             row_of[i] = torch.arange(offset, offset + first.num_tokens)
             offset += first.num_tokens
@@ -395,23 +422,23 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
         parent = len(segs)
         segs.append(PackSample(first.input_ids[:p_len], [0.0] * p_len, first.image_grid_thw, p_len, prompt_rows,
                                position_ids=full_pos[0][:, :p_len]))
-        if first.pixel_values is not None and owners[g[0]] == g[0]:
+        if first.pixel_values is not None and holds_image[k]:
             seg_pixels.append(first.pixel_values)
         prompt_at = offset
         offset += p_len
-        for k, i in enumerate(g):
+        for m, i in enumerate(g):
             s = samples[i]
             r = s.num_tokens - p_len
             rows = None if s.routed_experts is None else s.routed_experts[p_len:]
             segs.append(PackSample(s.input_ids[p_len:], [0.0] * r, None, 0, rows if rows is None or len(rows) else None,
-                                   parent=parent, position_ids=full_pos[k][:, p_len:]))
+                                   parent=parent, position_ids=full_pos[m][:, p_len:]))
             row_of[i] = torch.cat([torch.arange(prompt_at, prompt_at + p_len), torch.arange(offset, offset + r)])
             offset += r
     total = offset
     pad_to = graph_bucket(total, sp_size) if bucket else -(-total // sp_size) * sp_size
     whole = pack(segs, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
                  pad_token_id=pad_token_id, pad_to=pad_to if pad_to != total else None)
-    seg_owners = _segment_owners(segs, samples, groups, owners)
+    seg_owners = _segment_owners(groups, owners)
     if any(o is not None and o != i for i, o in enumerate(seg_owners)):
         whole = share_images(whole, seg_owners)
     # the loss layout: per sample, its positions prompt_len - 1 .. n - 2
@@ -448,18 +475,20 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
     return mb
 
 
-def _segment_owners(segs: Sequence[PackSample], samples: Sequence[TrainSample], groups: Sequence[Sequence[int]],
-                    owners: Sequence[int | None]) -> list[int | None]:
-    """The image owner of each packed segment (`share_images`), from the samples' owners: a
-    group's prompt segment holds the images of its first member; replies hold none."""
-    seg_of_sample: dict[int, int] = {}
+def _segment_owners(groups: Sequence[Sequence[int]], owners: Sequence[int | None]) -> list[int | None]:
+    """The image owner of each packed segment (`share_images`): a group's prompt segment (or
+    whole sample) holds its images where the group holds the images' owner sample, and reads
+    the segment of the group that does otherwise; replies hold none."""
+    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    seg_of_group: list[int] = []
     out: list[int | None] = []
     for g in groups:
-        seg_of_sample[g[0]] = len(out)
-        out.append(None if owners[g[0]] is None else owners[g[0]])
+        seg_of_group.append(len(out))
+        o = owners[g[0]]
+        out.append(None if o is None else group_of[o])  # a group index for now
         if len(g) > 1:
             out.extend([None] * len(g))
-    return [None if o is None else seg_of_sample[o] for o in out]
+    return [None if o is None else seg_of_group[o] for o in out]
 
 
 def _cumsum_lens(lengths: Sequence[int]) -> Tensor:

@@ -32,7 +32,14 @@ from ..algo import losses
 from ..config.layout import shares_prompts
 from ..config.schema import VlmrlConfig
 from ..models.kernels import begin_graph_step
-from .batch import MicroBatch, TrainSample, build_micro_batch, even_micro_batches, micro_batches
+from .batch import (
+    MicroBatch,
+    TrainSample,
+    build_micro_batch,
+    even_micro_batches,
+    micro_batches,
+    shared_prompt_keys,
+)
 from .logprobs import logprobs_and_entropy
 
 # Metrics that are sums over tokens / sequences (normalised by the global normaliser) and
@@ -588,7 +595,8 @@ class MegatronTrainer:
         p = self.cfg.parallel
         groups = micro_batches([s.num_tokens for s in samples],
                                max_tokens=p.max_tokens_per_gpu * p.cp if p.use_dynamic_batch_size else None,
-                               micro_batch_size=p.micro_batch_size)
+                               micro_batch_size=p.micro_batch_size,
+                               prompts=shared_prompt_keys(samples) if self.share_prompts else None)
         real = len(samples)
         if self.info.ep_size > 1 and dist.get_world_size() > 1:
             from ..models import compat
