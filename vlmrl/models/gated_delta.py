@@ -294,22 +294,8 @@ def shared_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                                bounds: Sequence[tuple[int, int]]) -> Tensor:
-    """The same recurrence token by token (float32): the definition, for tests."""
-    hk, hv = k.shape[1], v.shape[1]
-    q = q.repeat_interleave(hv // hk, dim=1).float()
-    k = k.repeat_interleave(hv // hk, dim=1).float()
-    q = l2norm(q) * q.shape[-1] ** -0.5
-    k = l2norm(k)
-    v, g, beta = v.float(), g.float(), beta.float()
-    out = torch.zeros_like(v)
-    for a, b in bounds:
-        state = v.new_zeros(hv, k.shape[-1], v.shape[-1])
-        for t in range(a, b):
-            state = state * g[t].exp()[:, None, None]
-            pred = (state * k[t].unsqueeze(-1)).sum(-2)
-            state = state + k[t].unsqueeze(-1) * ((v[t] - pred) * beta[t].unsqueeze(-1)).unsqueeze(-2)
-            out[t] = (state * q[t].unsqueeze(-1)).sum(-2)
-    return out
+    """The same recurrence token by token (float32) from zero states: the definition, for tests."""
+    return recurrent_with_states(q, k, v, g, beta, bounds, None)[0]
 
 
 # --------------------------------------------------------------------------- gated norm

@@ -278,8 +278,8 @@ def pack(samples: Sequence[PackSample], *, image_token_id: int, spatial_merge_si
         loss_mask=torch.cat(mask_l),
         seq_lens=seq_lens,
         padded_lens=padded_lens,
-        cu_seqlens=_cumsum(seq_lens),
-        cu_seqlens_padded=_cumsum(padded_lens),
+        cu_seqlens=cumulative_lengths(seq_lens),
+        cu_seqlens_padded=cumulative_lengths(padded_lens),
         image_grid_thw=torch.cat(grids_l) if grids_l else torch.zeros(0, 3, dtype=torch.long),
         images_per_sample=n_images,
         image_tokens_per_sample=n_image_tokens,
@@ -338,7 +338,8 @@ def _pack_routed_experts(samples: Sequence[PackSample], padded_lens: list[int], 
     return out
 
 
-def _cumsum(lengths: Sequence[int]) -> Tensor:
+def cumulative_lengths(lengths: Sequence[int]) -> Tensor:
+    """[n+1] int32 offsets of back-to-back pieces of `lengths` (0 first)."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..models.packing import (
     PackedSequence,
     PackSample,
+    cumulative_lengths,
     graph_bucket,
     mrope_position_ids,
     pack,
@@ -467,7 +468,7 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
         num_samples=len(samples),
         whole=whole,
         logit_index=torch.cat(index),
-        loss_cu_seqlens=_cumsum_lens(lens),
+        loss_cu_seqlens=cumulative_lengths(lens),
         shared_prompt_tokens=sum((len(g) - 1) * samples[g[0]].prompt_len for g in groups if len(g) > 1),
     )
     if all(s.old_logprobs is not None for s in samples):
@@ -489,10 +490,3 @@ def _segment_owners(groups: Sequence[Sequence[int]], owners: Sequence[int | None
         if len(g) > 1:
             out.extend([None] * len(g))
     return [None if o is None else seg_of_group[o] for o in out]
-
-
-def _cumsum_lens(lengths: Sequence[int]) -> Tensor:
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
-    return out
