@@ -130,6 +130,28 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine, images):
     assert other[0].output_ids != a[0].output_ids
 
 
+def test_a_groups_samples_share_one_prefill_and_sample_as_they_would_alone(engine, images):
+    """A GRPO group in one batch (one prompt, several seeded samples) is prefilled once, as
+    SGLang serves it from one cached prefix: each sample gets the tokens, logprobs and (MoE)
+    prompt experts it gets when it runs alone."""
+    base = _requests(engine, images, SamplingParams(temperature=1.0, max_new_tokens=10))
+    moe = bool(engine._routers)
+    group = [base[1].replace(sampling=SamplingParams(temperature=1.0, max_new_tokens=10, seed=200 + i),
+                             return_routed_experts=moe) for i in range(4)]
+    other = base[0].replace(sampling=SamplingParams(temperature=1.0, max_new_tokens=10, seed=300),
+                            return_routed_experts=moe)
+    before = engine.stats["prefilled_prompts"]
+    together = engine.generate_sync([group[0], other, *group[1:]])
+    assert engine.stats["prefilled_prompts"] - before == 2  # the group's prompt once, the other prompt once
+    alone = [engine.generate_sync([r])[0] for r in (group[0], other, *group[1:])]
+    assert len({tuple(r.output_ids) for r in together[:1] + together[2:]}) > 1  # the samples differ
+    for t, a in zip(together, alone):
+        assert t.output_ids == a.output_ids and t.prompt_ids == a.prompt_ids
+        assert max(abs(x - y) for x, y in zip(t.logprobs, a.logprobs)) <= TOL
+        if moe:  # the prompt's experts from the shared prefill, each sample's own after it
+            assert t.routed_experts == a.routed_experts
+
+
 def test_stop_token_ids_stop_strings_and_length(engine, images):
     req = _requests(engine, images, SamplingParams(temperature=1.0, max_new_tokens=20, seed=11))[1]
     free = engine.generate_sync([req])[0]

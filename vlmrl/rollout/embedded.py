@@ -8,8 +8,10 @@
   text) and placed under its tokens; pad slots are masked out. Decode positions continue
   from max(prompt positions) + 1 per row (Qwen's rope delta), so nothing in a row depends
   on its batch companions: no shared `rope_deltas` state on the model is used.
-* Image features are computed per request (identical prompts in one batch share them)
-  and scattered over that request's image tokens.
+* Identical prompts in one batch (a GRPO group's samples) are prefilled once: each of their
+  rows then decodes from a copy of that prefill's cache rows, as SGLang serves them from one
+  cached prefix. Image features are computed per distinct prompt and scattered over its
+  image tokens.
 * Logprobs follow the contract in `protocol.py`: log_softmax(logits.float() / T) at the
   sampled token, T = temperature (1 for greedy); top-p / top-k only restrict sampling.
 * Each request samples with its own torch.Generator (seeded by `sampling.seed`), so a
@@ -244,7 +246,7 @@ class EmbeddedEngine:
         # by _load_lock, read by the decode loop between steps
         self._aborted: set[str] = set()
         self._live: set[str] = set()  # ids of requests taken and not finished
-        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0,
+        self.stats = {"batches": 0, "requests": 0, "generated_tokens": 0, "prefilled_prompts": 0,
                       "refused_generate_released": 0, "refused_update_released": 0}
 
     # ----------------------------------------------------------------- the torch thread
@@ -407,16 +409,24 @@ class EmbeddedEngine:
 
     def _run_batch(self, preps: list[_Prepared], params: list[SamplingParams],
                    want_experts: Sequence[bool] = (), rids: Sequence[str | None] = ()) -> list[_Row]:
+        """Prefill each distinct prompt of the batch once (a GRPO group's samples are the same
+        prompt n times: SGLang serves them from one cached prefix), then give every row its
+        prompt's cache rows and decode the rows together."""
         import torch
         from transformers import DynamicCache
 
         dev = self.device
-        B = len(preps)
-        P = max(p.length for p in preps)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        pos = torch.zeros((3, B, P), dtype=torch.long)
-        for i, p in enumerate(preps):
+        uniq: dict[int, int] = {}  # a prompt (its `_Prepared`, shared by identical requests) -> its prefill row
+        for p in preps:
+            uniq.setdefault(id(p), len(uniq))
+        firsts = list({id(p): p for p in preps}.values())
+        of_row = [uniq[id(p)] for p in preps]
+        U, P = len(firsts), max(p.length for p in preps)
+        self.stats["prefilled_prompts"] += U
+        ids = torch.full((U, P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((U, P), dtype=torch.long)
+        pos = torch.zeros((3, U, P), dtype=torch.long)
+        for i, p in enumerate(firsts):
             L = p.length
             ids[i, P - L:] = p.ids
             mask[i, P - L:] = 1
@@ -424,7 +434,7 @@ class EmbeddedEngine:
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
         embeds = self.model.get_input_embeddings()(ids)
         feats: dict[Any, Any] = {}
-        for i, p in enumerate(preps):
+        for i, p in enumerate(firsts):
             if p.pixel_values is None:
                 continue
             if p.key not in feats:
@@ -442,12 +452,18 @@ class EmbeddedEngine:
         try:
             out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: cache})
+            logits = out.logits[:, -1]
+            if U < len(preps):  # every row takes its prompt's cache rows (attention KV, GDN states)
+                idx = torch.tensor(of_row, device=dev)
+                for layer in cache.layers:
+                    layer.reorder_cache(idx)
+                logits, mask = logits[idx], mask[idx]
             if capture:
-                routed = self._take_routed(B * P).view(B, P, self.num_layers, -1)
-                for r, p, want in zip(rows, preps, want_experts):
+                routed = self._take_routed(U * P).view(U, P, self.num_layers, -1)
+                for r, p, u, want in zip(rows, preps, of_row, want_experts):
                     if want:
-                        r.experts = [routed[r.index, P - p.length:]]
-            self._decode(rows, preps, out.logits[:, -1], mask, cache, capture)
+                        r.experts = [routed[u, P - p.length:]]
+            self._decode(rows, preps, logits, mask, cache, capture)
         finally:
             self._routed = None
         return rows
