@@ -10,7 +10,8 @@ run, shared by every test here. On one pinned core of the two (a suite worker), 
 0.453 -> 0.680 (evals 90:.648 120:.680, sampled reward 0.11 -> 0.27 over the first and last
 15 steps), 450 s; the former 8 prompts a step went 0.453 -> 0.719 in 805 s. Since the trainer
 runs a prompt once for its replies (`trainer.share_prompts`, 2026-12-07) the same evaluations and
-rewards in 302 s. Shorter runs did
+rewards in 302 s, and since the engine prefills a group's prompt once, 188 s of training (the whole
+fixture 247 s). Shorter runs did
 not learn (the learning rate decays over SFT + RL steps, so fewer steps start GRPO lower): 20
 or 30 GRPO steps of 8 prompts and 40 of 4 ended within +0.06 of the start, and RL's own
 schedule (`trainer.optim.rl_lr` 2e-4 or 3e-4) kept the sampled reward near 0.02 for 20 steps.
