@@ -416,11 +416,15 @@ class EmbeddedEngine:
         from transformers import DynamicCache
 
         dev = self.device
-        uniq: dict[int, int] = {}  # a prompt (its `_Prepared`, shared by identical requests) -> its prefill row
+        # identical requests share one `_Prepared` (the prompt cache): each distinct one is a prefill row
+        firsts: list[_Prepared] = []
+        row_of: dict[int, int] = {}
+        of_row = []
         for p in preps:
-            uniq.setdefault(id(p), len(uniq))
-        firsts = list({id(p): p for p in preps}.values())
-        of_row = [uniq[id(p)] for p in preps]
+            if id(p) not in row_of:
+                row_of[id(p)] = len(firsts)
+                firsts.append(p)
+            of_row.append(row_of[id(p)])
         U, P = len(firsts), max(p.length for p in preps)
         self.stats["prefilled_prompts"] += U
         ids = torch.full((U, P), self.pad_id, dtype=torch.long)
