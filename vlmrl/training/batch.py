@@ -402,8 +402,8 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
     # not change with the order the samples come in (the old-policy pass and a shuffled update agree)
     groups = [sorted(g, key=lambda i: (samples[i].input_ids[samples[i].prompt_len:], i)) for g in groups]
     group_of = {i: k for k, g in enumerate(groups) for i in g}
-    # the group whose segment holds each image: the one of the image's owner (`image_owners`)
-    holds_image = [owners[g[0]] is not None and group_of[owners[g[0]]] == k for k, g in enumerate(groups)]
+    # the group whose segment holds each group's images: the one of the images' owner (`image_owners`)
+    image_group = [None if owners[g[0]] is None else group_of[owners[g[0]]] for g in groups]
     for k, g in enumerate(groups):
         first = samples[g[0]]
         full_pos = [mrope_position_ids(torch.as_tensor(samples[i].input_ids), samples[i].image_grid_thw,
@@ -413,7 +413,7 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
             i = g[0]
             segs.append(PackSample(first.input_ids, [0.0] * first.num_tokens, first.image_grid_thw, first.prompt_len,
                                    first.routed_experts, position_ids=full_pos[0]))
-            if first.pixel_values is not None and holds_image[k]:
+            if first.pixel_values is not None and image_group[k] == k:
                 seg_pixels.append(first.pixel_values)
             row_of[i] = torch.arange(offset, offset + first.num_tokens)
             offset += first.num_tokens
@@ -423,7 +423,7 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
         parent = len(segs)
         segs.append(PackSample(first.input_ids[:p_len], [0.0] * p_len, first.image_grid_thw, p_len, prompt_rows,
                                position_ids=full_pos[0][:, :p_len]))
-        if first.pixel_values is not None and holds_image[k]:
+        if first.pixel_values is not None and image_group[k] == k:
             seg_pixels.append(first.pixel_values)
         prompt_at = offset
         offset += p_len
@@ -439,7 +439,7 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
     pad_to = graph_bucket(total, sp_size) if bucket else -(-total // sp_size) * sp_size
     whole = pack(segs, image_token_id=image_token_id, spatial_merge_size=spatial_merge_size,
                  pad_token_id=pad_token_id, pad_to=pad_to if pad_to != total else None)
-    seg_owners = _segment_owners(groups, owners)
+    seg_owners = _segment_owners(groups, image_group)
     if any(o is not None and o != i for i, o in enumerate(seg_owners)):
         whole = share_images(whole, seg_owners)
     # the loss layout: per sample, its positions prompt_len - 1 .. n - 2
@@ -476,17 +476,15 @@ def build_shared_micro_batch(samples: Sequence[TrainSample], groups: Sequence[Se
     return mb
 
 
-def _segment_owners(groups: Sequence[Sequence[int]], owners: Sequence[int | None]) -> list[int | None]:
+def _segment_owners(groups: Sequence[Sequence[int]], image_group: Sequence[int | None]) -> list[int | None]:
     """The image owner of each packed segment (`share_images`): a group's prompt segment (or
-    whole sample) holds its images where the group holds the images' owner sample, and reads
-    the segment of the group that does otherwise; replies hold none."""
-    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    whole sample) reads its images from the segment of the group that holds them
+    (`image_group`, itself where it does); replies hold none."""
     seg_of_group: list[int] = []
     out: list[int | None] = []
-    for g in groups:
+    for g, o in zip(groups, image_group, strict=True):
         seg_of_group.append(len(out))
-        o = owners[g[0]]
-        out.append(None if o is None else group_of[o])  # a group index for now
+        out.append(o)  # a group index for now
         if len(g) > 1:
             out.extend([None] * len(g))
     return [None if o is None else seg_of_group[o] for o in out]
